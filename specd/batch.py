@@ -1,0 +1,113 @@
+"""Per-step forward metadata: which tokens go in, where they sit, what each may attend to.
+
+One `ForwardBatch` is built per model pass and passed down to every layer (no globals). Every
+pass — ragged prefill, decode, block verification, a proposal tree — is a batch of
+`TokenTree`s, one per sequence, each appended after that sequence's cached context:
+
+- new tokens are right-padded to ``max_new = max(num_nodes)``;
+- the new token ``j`` of sequence ``b`` writes its key/value to cache slot
+  ``cache_len[b] + j`` (slot ``-1`` marks padding, which writes nothing);
+- its attention mask over key slots ``[0, cache_len + max_new)`` is the tree's context mask
+  (slots ``< anchor``) plus its ancestors' slots.
+
+Without a cache (training passes) the keys are the new tokens themselves and anchors must be 0.
+Padding rows attend to slot 0 only, so they stay finite; their outputs are never read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from specd.tree import TokenTree
+
+
+@dataclass(kw_only=True, slots=True)
+class ForwardBatch:
+    input_ids: Tensor  # [num_seqs, max_new] int64, padding = 0
+    positions: Tensor  # [num_seqs, max_new] int64 position ids
+    mask: Tensor  # [num_seqs, max_new, num_key_slots] bool
+    write_slots: Tensor  # [num_seqs, max_new] int64 cache slot per new token, -1 = padding
+    num_new: Tensor  # [num_seqs] int64 real (unpadded) new tokens per sequence
+    trees: tuple[TokenTree, ...]  # the trees this batch was built from (state replay needs them)
+    cache_lens: Tensor  # [num_seqs] int64 committed context length before this pass
+    dense_causal: bool = False  # no cache, equal-length chains: attention may use is_causal
+
+    @property
+    def num_seqs(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def max_new(self) -> int:
+        return self.input_ids.shape[1]
+
+    @staticmethod
+    def from_trees(
+        trees: Sequence[TokenTree],
+        cache_lens: Sequence[int] | Tensor | None = None,
+        device: torch.device | str = "cpu",
+    ) -> "ForwardBatch":
+        """Batch ``trees[b]`` after ``cache_lens[b]`` cached tokens (``None``: no cache)."""
+        num_seqs = len(trees)
+        if num_seqs == 0:
+            raise ValueError("a forward batch needs at least one sequence")
+        use_cache = cache_lens is not None
+        lens = torch.as_tensor(cache_lens if use_cache else [0] * num_seqs, dtype=torch.long)
+        num_new = torch.tensor([t.num_nodes for t in trees], dtype=torch.long)
+        max_new = max(int(num_new.max()), 1)
+        # Keys: with a cache, slots [0, max(cache_len + num_new)); without, the new tokens only.
+        num_slots = int((lens + num_new).max()) if use_cache else max_new
+        num_slots = max(num_slots, 1)
+
+        input_ids = torch.zeros(num_seqs, max_new, dtype=torch.long)
+        positions = torch.zeros(num_seqs, max_new, dtype=torch.long)
+        write_slots = torch.full((num_seqs, max_new), -1, dtype=torch.long)
+        mask = torch.zeros(num_seqs, max_new, num_slots, dtype=torch.bool)
+        mask[:, :, 0] = True  # padding rows: see slot 0 only (overwritten for real rows below)
+        for b, tree in enumerate(trees):
+            n, start = tree.num_nodes, int(lens[b])
+            if n == 0:
+                continue
+            if bool((tree.anchors > start).any()):
+                raise ValueError(
+                    f"sequence {b}: a tree anchor exceeds the cached context length {start}"
+                )
+            input_ids[b, :n] = tree.tokens
+            positions[b, :n] = tree.positions()
+            write_slots[b, :n] = torch.arange(start, start + n)
+            mask[b, :n] = False
+            mask[b, :n, :start] = tree.context_mask(start)
+            mask[b, :n, start : start + n] = tree.ancestor_mask()
+        dense_causal = (
+            not use_cache
+            and bool((num_new == max_new).all())
+            and all(t.is_chain() and not bool(t.anchors.any()) for t in trees)
+        )
+        return ForwardBatch(
+            dense_causal=dense_causal,
+            input_ids=input_ids.to(device),
+            positions=positions.to(device),
+            mask=mask.to(device),
+            write_slots=write_slots.to(device),
+            num_new=num_new.to(device),
+            trees=tuple(t.to(device) for t in trees),
+            cache_lens=lens.to(device),
+        )
+
+    @staticmethod
+    def causal(
+        token_lists: Sequence[Sequence[int]],
+        cache_lens: Sequence[int] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> "ForwardBatch":
+        """Ragged causal chunks: ``token_lists[b]`` appended after ``cache_lens[b]`` tokens."""
+        starts = list(cache_lens) if cache_lens is not None else [0] * len(token_lists)
+        trees = [TokenTree.chain(tokens, start) for tokens, start in zip(token_lists, starts)]
+        return ForwardBatch.from_trees(trees, cache_lens, device)
+
+    def last_index(self) -> Tensor:
+        """``[num_seqs]`` index of each sequence's last real new token (for next-token logits)."""
+        return (self.num_new - 1).clamp(min=0)

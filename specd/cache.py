@@ -1,0 +1,129 @@
+"""Caches with commit of an accepted path and rollback to a length.
+
+A pass over a `ForwardBatch` writes the new tokens' keys and values to slots
+``cache_len[b] + j`` (see `specd.batch`). Those slots are *tentative* until committed:
+
+- ``commit(batch, paths)`` keeps, for sequence ``b``, the nodes ``paths[b]`` (a root-to-node
+  path of its tree, node indices in order), moving them down to slots
+  ``cache_len[b] + 0 .. len(path) - 1`` and advancing the committed length. A node at depth
+  ``d`` already had position ``anchor + d == cache_len + d``, so its rotary-encoded key is
+  valid in its new slot unchanged.
+- ``rollback(lengths)`` forgets everything past the given lengths (cheap: slots are reused).
+
+Slots are preallocated per sequence and grow by doubling, so a step never reallocates in the
+common case. Recurrent-state caches (Gated DeltaNet) follow the same two verbs.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from specd.batch import ForwardBatch
+
+
+class KVCache:
+    """Key/value slots for ``num_layers`` attention layers and ``num_seqs`` sequences."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_seqs: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int = 256,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (num_seqs, num_kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.lengths = torch.zeros(num_seqs, dtype=torch.long, device=device)  # [num_seqs]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    def reserve(self, num_slots: int) -> None:
+        """Grow every layer to at least ``num_slots`` slots (doubling), keeping contents."""
+        if num_slots <= self.capacity:
+            return
+        new_capacity = max(num_slots, 2 * self.capacity)
+        for store in (self.keys, self.values):
+            for i, old in enumerate(store):
+                grown = old.new_zeros(old.shape[0], old.shape[1], new_capacity, old.shape[3])
+                grown[:, :, : old.shape[2]] = old
+                store[i] = grown
+
+    def update(
+        self,
+        layer: int,
+        keys: Tensor,  # [num_seqs, num_kv_heads, max_new, head_dim]
+        values: Tensor,  # [num_seqs, num_kv_heads, max_new, head_dim]
+        batch: ForwardBatch,
+    ) -> tuple[Tensor, Tensor]:
+        """Write the new keys/values to their slots; return all keys/values the mask covers."""
+        num_slots = batch.mask.shape[-1]
+        real = batch.write_slots >= 0  # [num_seqs, max_new]
+        seq_index, new_index = real.nonzero(as_tuple=True)
+        slot_index = batch.write_slots[seq_index, new_index]
+        cache_k, cache_v = self.keys[layer], self.values[layer]
+        # Advanced indexing puts the indexed dims first: [num_real, num_kv_heads, head_dim].
+        cache_k[seq_index, :, slot_index] = keys[seq_index, :, new_index].to(cache_k.dtype)
+        cache_v[seq_index, :, slot_index] = values[seq_index, :, new_index].to(cache_v.dtype)
+        return cache_k[:, :, :num_slots], cache_v[:, :, :num_slots]
+
+    def commit(self, batch: ForwardBatch, paths: Sequence[Sequence[int]]) -> None:
+        """Keep ``paths[b]`` (root-to-node node indices) of each sequence's tree; see module doc."""
+        seq_index, src, dst = _path_moves(batch, paths)
+        for store in (self.keys, self.values):
+            for cache in store:
+                cache[seq_index, :, dst] = cache[seq_index, :, src].clone()
+        self.lengths = batch.cache_lens + torch.tensor(
+            [len(p) for p in paths], dtype=torch.long, device=self.lengths.device
+        )
+
+    def rollback(self, lengths: Sequence[int] | Tensor) -> None:
+        """Forget every slot at or past ``lengths[b]``."""
+        lengths = torch.as_tensor(lengths, dtype=torch.long, device=self.lengths.device)
+        if bool((lengths > self.lengths).any()):
+            raise ValueError("rollback can only shorten sequences")
+        self.lengths = lengths.clone()
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        """Make room for a batch's writes before the pass."""
+        if bool((batch.cache_lens != self.lengths).any()):
+            raise ValueError(
+                "the batch was built for other cache lengths than the cache holds: "
+                f"{batch.cache_lens.tolist()} vs {self.lengths.tolist()}"
+            )
+        self.reserve(batch.mask.shape[-1])
+
+
+def _path_moves(
+    batch: ForwardBatch, paths: Sequence[Sequence[int]]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(sequence, source slot, destination slot) for every kept node, as flat index tensors."""
+    if len(paths) != batch.num_seqs:
+        raise ValueError(f"commit needs one path per sequence: {len(paths)} for {batch.num_seqs}")
+    seqs, sources, destinations = [], [], []
+    for b, path in enumerate(paths):
+        start = int(batch.cache_lens[b])
+        tree = batch.trees[b]
+        if path and tree.path(path[-1]) != list(path):
+            raise ValueError(f"sequence {b}: {list(path)} is not a root-to-node path of its tree")
+        if path and int(tree.anchors[path[0]]) != start:
+            raise ValueError(
+                f"sequence {b}: the path starts at anchor {int(tree.anchors[path[0]])}, "
+                f"not at the committed length {start}; roll back first"
+            )
+        for depth, node in enumerate(path):
+            seqs.append(b)
+            sources.append(start + node)
+            destinations.append(start + depth)
+    device = batch.write_slots.device
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    return as_long(seqs), as_long(sources), as_long(destinations)

@@ -1,0 +1,170 @@
+"""Qwen3: the full-attention target (GQA, per-head q/k RMSNorm, RoPE, SwiGLU).
+
+Module names mirror Hugging Face's `Qwen3ForCausalLM` (``model.layers.N.self_attn.q_proj``...),
+so the weight-name mapping is the identity and a Hugging Face checkpoint (Qwen3-0.6B .. 32B)
+loads as it is through `specd.models.loading`. Every pass is over a `ForwardBatch` (ragged
+prefill, decode, verification blocks and token trees alike) with an optional `KVCache`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from specd.batch import ForwardBatch
+from specd.cache import KVCache
+from specd.models.layers import GQAttention, RMSNorm, SwiGLU, rotary_tables
+
+
+@dataclass(kw_only=True, slots=True)
+class Qwen3Config:
+    vocab_size: int = 4096
+    """Rows of the embedding and LM head."""
+    hidden_size: int = 256
+    """Residual stream width."""
+    intermediate_size: int = 768
+    """SwiGLU inner width."""
+    num_hidden_layers: int = 4
+    """Decoder layers."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_key_value_heads: int = 2
+    """Key/value heads (GQA: each serves num_attention_heads / num_key_value_heads queries)."""
+    head_dim: int = 64
+    """Per-head width; Qwen3 decouples it from hidden_size / num_attention_heads."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    max_position_embeddings: int = 4096
+    """Longest context the model was trained for (informational; RoPE has no hard limit)."""
+    tie_word_embeddings: bool = True
+    """LM head shares the embedding matrix."""
+    attention_bias: bool = False
+    """Bias on q/k/v projections."""
+    torch_dtype: str = "float32"
+    """Weights' dtype on disk and by default in memory."""
+    eos_token_id: int | None = None
+    """Token that ends generation, when the checkpoint names one."""
+
+    model_type = "qwen3"
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "Qwen3Config":
+        """From a Hugging Face ``config.json`` dict; rejects what this implementation lacks."""
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"rope type {rope_type!r} is not supported (only 'default')")
+        if hf.get("use_sliding_window"):
+            raise ValueError("sliding-window attention is not supported")
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in hf.items() if k in known}
+        values["rope_theta"] = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        values["torch_dtype"] = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+        if values.get("head_dim") is None:
+            values["head_dim"] = hf["hidden_size"] // hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        values["eos_token_id"] = eos[0] if isinstance(eos, list) else eos
+        return cls(**values)
+
+    def to_hf(self) -> dict[str, Any]:
+        """A ``config.json`` that `transformers.Qwen3ForCausalLM` loads."""
+        out = asdict(self)
+        out.pop("rope_theta")
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": self.model_type,
+            "hidden_act": "silu",
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "use_sliding_window": False,
+            **out,
+        }
+
+
+FLAVOURS: dict[str, Qwen3Config] = {
+    # The zoo's target: sized for CPU training throughput (see specd.zoo).
+    "tiny": Qwen3Config(),
+    # For unit tests: random weights, milliseconds per pass.
+    "debug": Qwen3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    ),
+    # Shapes of the real models, for GPU benchmarks with random weights.
+    "qwen3-8b": Qwen3Config(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6,
+        max_position_embeddings=40960, tie_word_embeddings=False, torch_dtype="bfloat16",
+    ),
+    "qwen3-32b": Qwen3Config(
+        vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=128, rope_theta=1e6,
+        max_position_embeddings=40960, tie_word_embeddings=False, torch_dtype="bfloat16",
+    ),
+}
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, config: Qwen3Config, layer_index: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = GQAttention(
+            layer_index=layer_index,
+            hidden_size=config.hidden_size,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            bias=config.attention_bias,
+        )
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: Tensor, rotary, batch: ForwardBatch, cache: KVCache | None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotary, batch, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    config_class = Qwen3Config
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Qwen3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def new_cache(self, num_seqs: int, capacity: int = 256) -> KVCache:
+        c = self.config
+        weight = self.model.embed_tokens.weight
+        return KVCache(
+            num_layers=c.num_hidden_layers, num_seqs=num_seqs, num_kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim, capacity=capacity, dtype=weight.dtype, device=weight.device,
+        )
+
+    def hidden_states(self, batch: ForwardBatch, cache: KVCache | None = None) -> Tensor:
+        """Final-norm hidden states ``[num_seqs, max_new, hidden]`` for every new token."""
+        if cache is not None:
+            cache.prepare(batch)
+        x = self.model.embed_tokens(batch.input_ids)
+        rotary = rotary_tables(batch.positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, rotary, batch, cache)
+        return self.model.norm(x)
+
+    def forward(self, batch: ForwardBatch, cache: KVCache | None = None) -> Tensor:
+        """Logits ``[num_seqs, max_new, vocab]`` for every new token of the batch."""
+        return self.lm_head(self.hidden_states(batch, cache))
