@@ -107,6 +107,14 @@ FLAVOURS: dict[str, Qwen3Config] = {
 }
 
 
+def init_weights(module: nn.Module, std: float = 0.02) -> None:
+    """Hugging Face's initialisation (normal(0, 0.02), zero biases), so random models are sane."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=std)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
 class Qwen3DecoderLayer(nn.Module):
     def __init__(self, config: Qwen3Config, layer_index: int) -> None:
         super().__init__()
@@ -146,6 +154,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.apply(init_weights)
 
     def new_cache(self, num_seqs: int, capacity: int = 256) -> KVCache:
         c = self.config
