@@ -47,8 +47,8 @@ class Qwen3Config:
     """Bias on q/k/v projections."""
     torch_dtype: str = "float32"
     """Weights' dtype on disk and by default in memory."""
-    eos_token_id: int | None = None
-    """Token that ends generation, when the checkpoint names one."""
+    eos_token_id: int | list[int] | None = None
+    """Token(s) that end generation, when the checkpoint names them."""
 
     model_type = "qwen3"
 
@@ -67,9 +67,12 @@ class Qwen3Config:
         values["torch_dtype"] = hf.get("torch_dtype") or hf.get("dtype") or "float32"
         if values.get("head_dim") is None:
             values["head_dim"] = hf["hidden_size"] // hf["num_attention_heads"]
-        eos = hf.get("eos_token_id")
-        values["eos_token_id"] = eos[0] if isinstance(eos, list) else eos
         return cls(**values)
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        eos = self.eos_token_id
+        return () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
 
     def to_hf(self) -> dict[str, Any]:
         """A ``config.json`` that `transformers.Qwen3ForCausalLM` loads."""

@@ -1,0 +1,1 @@
+"""Training: target pre-training (zoo), drafter training, SpecOPD."""

@@ -1,0 +1,141 @@
+"""Pre-training the zoo's tiny targets on the CPU: packed sequences, AdamW, warmup + cosine.
+
+Design choices, all for CPU throughput within a few minutes on 2 cores:
+
+- packed windows of ``seq_len + 1`` tokens sampled uniformly from each domain's token stream
+  (documents separated by ``<|endoftext|>``), with the same number of windows per domain in
+  every batch, so no domain starves;
+- bf16 autocast (about 2x fp32 on AVX-512 BF16 CPUs), fp32 master weights and loss;
+- the training step is `torch.compile`d (about 1.5x after a ~1 minute warm-up), and attention
+  uses SDPA's fused causal path (`ForwardBatch.dense_causal`);
+- a fixed number of steps (not a time budget), so a build is reproducible on any machine.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm import tqdm
+
+from specd.batch import ForwardBatch
+
+
+@dataclass(kw_only=True, slots=True)
+class PretrainConfig:
+    steps: int = 1200
+    """Optimizer steps."""
+    seq_len: int = 256
+    """Tokens per packed window."""
+    windows_per_domain: int = 4
+    """Windows of each domain in one batch (batch size = this x number of domains)."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    warmup_steps: int = 60
+    """Linear warmup from 0 to the peak."""
+    min_lr_ratio: float = 0.05
+    """Cosine decays to peak x this."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay on matrices (not norms)."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+    seed: int = 0
+    """Seed for initialisation and window sampling."""
+    bf16: bool = True
+    """bf16 autocast for the forward pass."""
+    compile: bool = True
+    """torch.compile the loss computation."""
+
+
+def lr_at(step: int, config: PretrainConfig) -> float:
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * cosine)
+
+
+def sample_windows(streams: list[np.ndarray], config: PretrainConfig, rng: np.random.Generator) -> Tensor:
+    """``[num_domains * windows_per_domain, seq_len + 1]`` int64 windows."""
+    rows = []
+    for stream in streams:
+        starts = rng.integers(0, len(stream) - config.seq_len - 1, size=config.windows_per_domain)
+        rows.extend(stream[s : s + config.seq_len + 1] for s in starts)
+    return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+
+def causal_lm_loss(model: nn.Module, windows: Tensor, bf16: bool) -> Tensor:
+    """Mean next-token cross-entropy over ``[num_windows, seq_len + 1]`` windows."""
+    inputs, targets = windows[:, :-1], windows[:, 1:]
+    batch = _dense_batch(inputs)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        logits = model(batch)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def _dense_batch(inputs: Tensor) -> ForwardBatch:
+    """A no-cache causal batch of equal-length rows, without building per-row trees."""
+    num_seqs, length = inputs.shape
+    positions = torch.arange(length).expand(num_seqs, length)
+    return ForwardBatch(
+        input_ids=inputs,
+        positions=positions,
+        mask=torch.ones(1, length, length, dtype=torch.bool).tril(),
+        write_slots=torch.full_like(inputs, -1),
+        num_new=torch.full((num_seqs,), length),
+        trees=(),
+        cache_lens=torch.zeros(num_seqs, dtype=torch.long),
+        dense_causal=True,
+    )
+
+
+def pretrain(
+    model: nn.Module,
+    streams: list[np.ndarray],
+    config: PretrainConfig,
+    *,
+    description: str = "train",
+    on_step: Callable[[int, float], None] | None = None,
+) -> dict[str, float]:
+    """Train ``model`` in place on per-domain token streams; returns summary figures."""
+    torch.manual_seed(config.seed)
+    rng = np.random.default_rng(config.seed)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.lr,
+        betas=(0.9, 0.95),
+    )
+    loss_fn = torch.compile(causal_lm_loss) if config.compile else causal_lm_loss
+    model.train()
+    start = time.perf_counter()
+    tokens_seen = 0
+    smoothed = float("nan")
+    bar = tqdm(range(config.steps), desc=description, unit="step", dynamic_ncols=True)
+    for step in bar:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, config)
+        windows = sample_windows(streams, config, rng)
+        loss = loss_fn(model, windows, config.bf16)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        tokens_seen += windows.shape[0] * config.seq_len
+        value = loss.item()
+        smoothed = value if math.isnan(smoothed) else 0.95 * smoothed + 0.05 * value
+        if step % 10 == 0 or step == config.steps - 1:
+            elapsed = time.perf_counter() - start
+            bar.set_postfix(loss=f"{smoothed:.3f}", tok_s=f"{tokens_seen / elapsed:.0f}")
+        if on_step is not None:
+            on_step(step, value)
+    model.eval()
+    elapsed = time.perf_counter() - start
+    return {"final_loss": smoothed, "tokens_seen": tokens_seen, "seconds": elapsed}

@@ -1,0 +1,187 @@
+"""The tiny zoo: corpora, a tokenizer and small trained models, built on the CPU.
+
+No model can be downloaded where specd is developed and tested, so it builds its own,
+deterministically (fixed seeds, fixed step counts), cached under ``~/.cache/specd/zoo``
+(``SPECD_ZOO`` overrides). Each model directory is in Hugging Face layout (``config.json``,
+``model.safetensors``, ``tokenizer.json``), so `transformers` loads the targets as a reference
+and the same loader serves real checkpoints.
+
+A build is a list of steps; each writes its outputs and then a ``.done`` stamp holding the
+step's recipe, so a second `specd zoo build` returns in seconds and a changed recipe rebuilds
+only what it changes. A file lock keeps two concurrent builds from racing.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from specd.data import DOMAINS, build_corpus, save_tokenizer, train_tokenizer, write_heldout_jsonl
+from specd.models import qwen3
+from specd.models.loading import load_model, save_model
+from specd.train.pretrain import PretrainConfig, pretrain
+
+ZOO_VERSION = 1
+VOCAB_SIZE = 4096
+
+
+def zoo_dir() -> Path:
+    return Path(os.environ.get("SPECD_ZOO", Path.home() / ".cache" / "specd" / "zoo"))
+
+
+@dataclass(frozen=True, slots=True)
+class ZooModel:
+    name: str
+    kind: str  # "target" or "drafter"
+    architecture: str  # config.json model_type
+    description: str
+
+
+MODELS: tuple[ZooModel, ...] = (
+    ZooModel(name="qwen3-tiny", kind="target", architecture="qwen3",
+             description="full-attention target (Qwen3, GQA), trained on the four domains"),
+)
+
+
+def model_path(name: str) -> Path:
+    return zoo_dir() / name
+
+
+def is_built(name: str) -> bool:
+    return (model_path(name) / ".done").is_file()
+
+
+def listing() -> list[dict]:
+    return [
+        {**asdict(m), "path": str(model_path(m.name)), "built": is_built(m.name)} for m in MODELS
+    ]
+
+
+# ---------------------------------------------------------------------------- steps
+@dataclass(frozen=True, slots=True)
+class Step:
+    name: str  # directory under the zoo
+    recipe: dict  # what the output depends on; a change rebuilds the step
+    run: Callable[[Path], None]  # writes into the (fresh) directory
+
+
+def _stamp(directory: Path) -> dict | None:
+    path = directory / ".done"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def run_step(step: Step, log: Callable[[str], None]) -> bool:
+    """Run ``step`` unless its stamp matches; returns whether it ran."""
+    directory = zoo_dir() / step.name
+    recipe = {"zoo_version": ZOO_VERSION, **step.recipe}
+    stamp = _stamp(directory)
+    if stamp is not None and stamp.get("recipe") == recipe:
+        return False
+    staging = directory.with_name(directory.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    log(f"[zoo] building {step.name} ...")
+    start = time.perf_counter()
+    step.run(staging)
+    seconds = time.perf_counter() - start
+    (staging / ".done").write_text(json.dumps({"recipe": recipe, "seconds": round(seconds, 1)}) + "\n")
+    shutil.rmtree(directory, ignore_errors=True)
+    staging.rename(directory)
+    log(f"[zoo] {step.name} done in {seconds:.0f} s")
+    return True
+
+
+def _build_data(out: Path) -> None:
+    texts = []
+    for domain in DOMAINS:
+        corpus = build_corpus(domain, seed=0)
+        (out / domain).mkdir()
+        (out / domain / "train.jsonl").write_text(
+            "".join(json.dumps({"text": t}) + "\n" for t in corpus.train)
+        )
+        write_heldout_jsonl(corpus, out / domain / "heldout.jsonl")
+        texts.append(corpus.train)
+    tokenizer = train_tokenizer((t for docs in texts for t in docs), vocab_size=VOCAB_SIZE)
+    save_tokenizer(tokenizer, out / "tokenizer")
+    eot = tokenizer.token_to_id("<|endoftext|>")
+    for domain, docs in zip(DOMAINS, texts):
+        ids: list[int] = []
+        for encoding in tokenizer.encode_batch(docs):
+            ids.extend(encoding.ids)
+            ids.append(eot)
+        np.save(out / domain / "train_ids.npy", np.asarray(ids, dtype=np.uint16))
+
+
+def train_documents(domain: str) -> list[str]:
+    path = zoo_dir() / "data" / domain / "train.jsonl"
+    return [json.loads(line)["text"] for line in path.read_text().splitlines()]
+
+
+def heldout_path(domain: str) -> Path:
+    return zoo_dir() / "data" / domain / "heldout.jsonl"
+
+
+def token_streams() -> list[np.ndarray]:
+    return [np.load(zoo_dir() / "data" / d / "train_ids.npy") for d in DOMAINS]
+
+
+def tokenizer_dir() -> Path:
+    return zoo_dir() / "data" / "tokenizer"
+
+
+TARGET_TRAINING = PretrainConfig()
+
+
+def _build_target(name: str, config: qwen3.Qwen3Config, training: PretrainConfig) -> Step:
+    def run(out: Path) -> None:
+        torch.manual_seed(training.seed)
+        model = qwen3.Qwen3ForCausalLM(config)
+        stats = pretrain(model, token_streams(), training, description=name)
+        save_model(model, out)
+        for file in tokenizer_dir().iterdir():
+            shutil.copy(file, out / file.name)
+        (out / "training.json").write_text(json.dumps(stats, indent=2) + "\n")
+
+    return Step(name=name, recipe={"config": asdict(config), "training": asdict(training)}, run=run)
+
+
+def steps() -> list[Step]:
+    data = Step(name="data", recipe={"vocab_size": VOCAB_SIZE, "domains": list(DOMAINS)}, run=_build_data)
+    target_config = qwen3.Qwen3Config(**{**asdict(qwen3.FLAVOURS["tiny"]), "vocab_size": VOCAB_SIZE})
+    return [data, _build_target("qwen3-tiny", target_config, TARGET_TRAINING)]
+
+
+@contextmanager
+def _locked() -> Iterator[None]:
+    zoo_dir().mkdir(parents=True, exist_ok=True)
+    with open(zoo_dir() / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def build(log: Callable[[str], None] = print) -> list[str]:
+    """Build whatever is missing or stale; returns the names of the steps that ran."""
+    with _locked():
+        ran = [step.name for step in steps() if run_step(step, log)]
+    return ran
+
+
+def ensure(name: str) -> Path:
+    """The path of a zoo model, building the zoo first if it is missing."""
+    if not is_built(name):
+        build()
+    return model_path(name)
+
+
+def load(name: str, **kwargs) -> torch.nn.Module:
+    return load_model(ensure(name), **kwargs)
