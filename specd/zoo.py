@@ -26,7 +26,19 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from specd.data import DOMAINS, build_corpus, save_tokenizer, train_tokenizer, write_heldout_jsonl
+from specd import evaluate
+from specd.data import (
+    DOMAINS,
+    SPECIAL_TOKENS,
+    HeldoutPrompt,
+    build_corpus,
+    load_tokenizer,
+    read_prompts_jsonl,
+    save_tokenizer,
+    train_tokenizer,
+    write_heldout_jsonl,
+)
+from specd.data.tokenizer import ENDOFTEXT, IM_END
 from specd.models import qwen3
 from specd.models.loading import load_model, save_model
 from specd.train.pretrain import PretrainConfig, pretrain
@@ -139,6 +151,15 @@ def tokenizer_dir() -> Path:
     return zoo_dir() / "data" / "tokenizer"
 
 
+def heldout() -> dict[str, list[HeldoutPrompt]]:
+    return {d: read_prompts_jsonl(heldout_path(d)) for d in DOMAINS}
+
+
+def quality(model: torch.nn.Module) -> list[evaluate.DomainQuality]:
+    """Held-out loss vs. unigram and degeneration figures per domain (see specd.evaluate)."""
+    return evaluate.evaluate_target(model, load_tokenizer(tokenizer_dir()), heldout(), token_streams())
+
+
 TARGET_TRAINING = PretrainConfig()
 
 
@@ -151,13 +172,20 @@ def _build_target(name: str, config: qwen3.Qwen3Config, training: PretrainConfig
         for file in tokenizer_dir().iterdir():
             shutil.copy(file, out / file.name)
         (out / "training.json").write_text(json.dumps(stats, indent=2) + "\n")
+        rows = quality(model)
+        (out / "quality.json").write_text(json.dumps(evaluate.as_json(rows), indent=2) + "\n")
+        print(evaluate.format_table(rows))
 
     return Step(name=name, recipe={"config": asdict(config), "training": asdict(training)}, run=run)
 
 
 def steps() -> list[Step]:
     data = Step(name="data", recipe={"vocab_size": VOCAB_SIZE, "domains": list(DOMAINS)}, run=_build_data)
-    target_config = qwen3.Qwen3Config(**{**asdict(qwen3.FLAVOURS["tiny"]), "vocab_size": VOCAB_SIZE})
+    # Generation stops at the end of a chat turn or of a document.
+    stop_ids = [SPECIAL_TOKENS.index(IM_END), SPECIAL_TOKENS.index(ENDOFTEXT)]
+    target_config = qwen3.Qwen3Config(
+        **{**asdict(qwen3.FLAVOURS["tiny"]), "vocab_size": VOCAB_SIZE, "eos_token_id": stop_ids}
+    )
     return [data, _build_target("qwen3-tiny", target_config, TARGET_TRAINING)]
 
 
