@@ -25,6 +25,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from specd import evaluate
 from specd.data import (
@@ -32,6 +33,7 @@ from specd.data import (
     SPECIAL_TOKENS,
     HeldoutPrompt,
     build_corpus,
+    tokenizer_sample,
     load_tokenizer,
     read_prompts_jsonl,
     save_tokenizer,
@@ -43,7 +45,7 @@ from specd.models import qwen3
 from specd.models.loading import load_model, save_model
 from specd.train.pretrain import PretrainConfig, pretrain
 
-ZOO_VERSION = 1
+ZOO_VERSION = 1  # bump when corpus generation or the recipes' meaning change
 VOCAB_SIZE = 4096
 
 
@@ -114,24 +116,22 @@ def run_step(step: Step, log: Callable[[str], None]) -> bool:
 
 
 def _build_data(out: Path) -> None:
-    texts = []
-    for domain in DOMAINS:
-        corpus = build_corpus(domain, seed=0)
-        (out / domain).mkdir()
-        (out / domain / "train.jsonl").write_text(
+    corpora = [build_corpus(domain, seed=0) for domain in DOMAINS]
+    for corpus in corpora:
+        (out / corpus.domain).mkdir()
+        (out / corpus.domain / "train.jsonl").write_text(
             "".join(json.dumps({"text": t}) + "\n" for t in corpus.train)
         )
-        write_heldout_jsonl(corpus, out / domain / "heldout.jsonl")
-        texts.append(corpus.train)
-    tokenizer = train_tokenizer((t for docs in texts for t in docs), vocab_size=VOCAB_SIZE)
+        write_heldout_jsonl(corpus, out / corpus.domain / "heldout.jsonl")
+    tokenizer = train_tokenizer(tokenizer_sample(corpora), vocab_size=VOCAB_SIZE)
     save_tokenizer(tokenizer, out / "tokenizer")
-    eot = tokenizer.token_to_id("<|endoftext|>")
-    for domain, docs in zip(DOMAINS, texts):
+    eot = tokenizer.token_to_id(ENDOFTEXT)
+    for corpus in corpora:
         ids: list[int] = []
-        for encoding in tokenizer.encode_batch(docs):
+        for encoding in tqdm(tokenizer.encode_batch(corpus.train), desc=f"tokenize {corpus.domain}", leave=False):
             ids.extend(encoding.ids)
             ids.append(eot)
-        np.save(out / domain / "train_ids.npy", np.asarray(ids, dtype=np.uint16))
+        np.save(out / corpus.domain / "train_ids.npy", np.asarray(ids, dtype=np.uint16))
 
 
 def train_documents(domain: str) -> list[str]:

@@ -233,7 +233,8 @@ def _docstring_groups() -> list[_Group]:
                 parameters = ast.unparse(node.args)
                 signature = f"{name.rsplit('.', 1)[-1]}({parameters})"
                 text = f"The signature is `{signature}`.\n\n{paragraphs[0]}"
-                _add(groups, key, False, _Answer(questions=tuple(q.format(name=name) for q in _SIGNATURE_QUESTIONS), text=text))
+                questions = tuple(q.format(name=name) for q in _SIGNATURE_QUESTIONS)
+                _add(groups, key, False, _Answer(questions=questions, text=text))
     return list(groups.values())
 
 
@@ -269,6 +270,7 @@ def build_dialogue_corpus(*, seed: int, max_train_chars: int) -> Corpus:
     rng = random.Random(f"dialogue-train-{seed}")
     units = [answer for group in train_groups for answer in group.answers]
     train: list[str] = []
+    seen: set[str] = set()
     total = 0
     for _ in range(NUM_PASSES):
         order = units[:]
@@ -276,9 +278,12 @@ def build_dialogue_corpus(*, seed: int, max_train_chars: int) -> Corpus:
         position = 0
         while position < len(order) and total < max_train_chars:
             num_turns = rng.choice((1, 1, 2, 2, 3))
-            document = format_chat(_conversation(rng, order[position : position + num_turns]), add_generation_prompt=False)
+            messages = _conversation(rng, order[position : position + num_turns])
+            document = format_chat(messages, add_generation_prompt=False)
             position += num_turns
-            if total + len(document) <= max_train_chars:
+            # A one-turn chat can come out identical in both passes; keep it once.
+            if document not in seen and total + len(document) <= max_train_chars:
+                seen.add(document)
                 train.append(document)
                 total += len(document)
 

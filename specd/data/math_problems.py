@@ -37,7 +37,9 @@ _ITEMS = (
     ("ticket", "tickets"), ("candle", "candles"), ("mug", "mugs"), ("sticker", "stickers"),
     ("bottle of juice", "bottles of juice"), ("sandwich", "sandwiches"), ("plant", "plants"), ("towel", "towels"),
 )
-_INTRO = ("", "", "Solve this: ", "Here is a word problem. ", "Can you help me with this? ", "Please solve step by step. ")
+_INTRO = (
+    "", "", "Solve this: ", "Here is a word problem. ", "Can you help me with this? ", "Please solve step by step. ",
+)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -121,7 +123,9 @@ def _ages(rng: random.Random) -> MathProblem:
 
 def _area_cost(rng: random.Random) -> MathProblem:
     name = _people(rng, 1)[0]
-    place, material = rng.choice((("kitchen floor", "tiles"), ("garden", "turf"), ("wall", "paint"), ("patio", "stone")))
+    place, material = rng.choice((
+        ("kitchen floor", "tiles"), ("garden", "turf"), ("wall", "paint"), ("patio", "stone"),
+    ))
     length, width, price = rng.randint(2, 15), rng.randint(2, 12), rng.randint(2, 25)
     area = length * width
     question = rng.choice((
@@ -149,7 +153,8 @@ def _sharing(rng: random.Random) -> MathProblem:
         f"{items} equally among {friends} friends, and each friend gives {kept} back. How many {items} "
         f"does each friend keep?",
         f"There are {boxes_size} boxes of {items}, {per_box_total} per box. They are split evenly between "
-        f"{friends} people, and then every person returns {kept} to {name}. How many {items} does each person have now?",
+        f"{friends} people, and then every person returns {kept} to {name}. How many {items} does each person "
+        f"have now?",
     ))
     steps = [
         f"There are {boxes_size} * {per_box_total} = {total} {items} in all.",

@@ -9,9 +9,10 @@ Design choices:
   tables (codec maps, entity tables, sysconfig dumps, the pydoc topic dump that the dialogue domain
   uses). Tables teach a small model to loop on one pattern, which is the failure we want to avoid.
 - **Chunks follow the module's top-level structure** (`ast`): each def/class is a chunk, together with
-  the comment lines directly above it; runs of other statements form one chunk. Oversized chunks are
-  cut at blank lines into pieces of at most `MAX_CHUNK_LINES`. The license block that opens many files
-  is dropped, and identical chunks are kept once.
+  the comment lines directly above it; runs of other statements form one chunk. An oversized class is
+  chunked the same way one level down (header, then each method); anything still too long is cut at
+  blank lines into pieces of at most `MAX_CHUNK_LINES`. The license block that opens many files is
+  dropped, and identical chunks are kept once.
 - **Held-out is file-level:** a tenth of the files never contributes training text. Prompts are
   functions from those files (methods dedented), cut after the signature and the first docstring line.
 """
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from specd.data.corpus import Corpus, HeldoutPrompt, drop_leaked
 
-__all__ = ["list_stdlib_files", "build_code_corpus", "read_source"]
+__all__ = ["build_code_corpus", "chunk_module", "list_stdlib_files", "normalize_code", "read_source"]
 
 # Directory names skipped anywhere in a path.
 _EXCLUDED_PARTS = frozenset({
@@ -152,7 +153,7 @@ def _pieces(lines: list[str], start: int, end: int, node: ast.stmt) -> list[list
     # method become chunks, so no chunk starts in the middle of a method.
     segments = _segments(lines, node.body, floor=start, end=end)
     segments[0] = (start, segments[0][1], segments[0][2])
-    return [piece for sub_start, sub_end, sub_node in segments for piece in _pieces(lines, sub_start, sub_end, sub_node)]
+    return [piece for segment in segments for piece in _pieces(lines, *segment)]
 
 
 def chunk_module(lines: list[str], tree: ast.Module) -> list[str]:
@@ -190,7 +191,18 @@ def _split_function(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionD
     prompt_lines, reference_lines = text_lines[:num_prompt_lines], text_lines[num_prompt_lines:]
     if sum(1 for line in reference_lines if line.strip()) < 3:
         return None
-    return _FunctionSplit(prompt="\n".join(prompt_lines) + "\n", reference="\n".join(reference_lines) + "\n")
+    split = _FunctionSplit(prompt="\n".join(prompt_lines) + "\n", reference="\n".join(reference_lines) + "\n")
+    try:
+        # A method whose docstring is less indented than its body cannot be dedented into valid code.
+        ast.parse(split.prompt + split.reference)
+    except SyntaxError:
+        return None
+    return split
+
+
+def normalize_code(text: str) -> str:
+    """Non-blank lines without indentation: equal for a method and its dedented copy."""
+    return "\n".join(line.strip() for line in text.split("\n") if line.strip())
 
 
 def _heldout_functions(relative: Path) -> list[_FunctionSplit]:
@@ -243,6 +255,10 @@ def build_code_corpus(*, seed: int, max_train_chars: int) -> Corpus:
             for splits in per_file
             if depth < len(splits)
         )
+    # The file split cannot see code copied between files (_pyio and friends): compare bodies with
+    # indentation removed, since held-out methods are dedented.
+    normalized_train = "\0".join(normalize_code(chunk) for chunk in train)
+    candidates = [item for item in candidates if normalize_code(item.reference) not in normalized_train]
     # dict.fromkeys dedupes (the dataclass is frozen, so hashable) and keeps the order.
     heldout = drop_leaked(list(dict.fromkeys(candidates)), train)[:NUM_HELDOUT_PROMPTS]
     return Corpus(domain="code", train=train, heldout=heldout)

@@ -72,6 +72,7 @@ CHAT_TEMPLATE = (
 )
 
 _SPECIAL_SPLIT = re.compile("|".join(re.escape(token) for token in SPECIAL_TOKENS))
+_ROLE = re.compile(r"[a-z_]+")
 _TURN = re.compile(r"<\|im_start\|>([a-z_]+)\n(.*?)<\|im_end\|>\n", re.DOTALL)
 
 
@@ -80,8 +81,8 @@ def format_chat(messages: list[dict], *, add_generation_prompt: bool) -> str:
     parts = []
     for message in messages:
         role, content = message["role"], message["content"]
-        # A role with a newline or a content holding a turn marker would not parse back.
-        if not role or "\n" in role:
+        # Anything else would not parse back: roles are lower-case words, contents hold no markers.
+        if not _ROLE.fullmatch(role):
             raise ValueError(f"invalid chat role {role!r}")
         if IM_START in content or IM_END in content:
             raise ValueError(f"{role} message contains a chat turn marker")
