@@ -108,6 +108,21 @@ class ForwardBatch:
         trees = [TokenTree.chain(tokens, start) for tokens, start in zip(token_lists, starts)]
         return ForwardBatch.from_trees(trees, cache_lens, device)
 
+    @staticmethod
+    def dense(input_ids: Tensor) -> "ForwardBatch":
+        """A no-cache causal batch of equal-length rows ``[num_seqs, length]`` (training passes)."""
+        num_seqs, length = input_ids.shape
+        return ForwardBatch(
+            input_ids=input_ids,
+            positions=torch.arange(length, device=input_ids.device).expand(num_seqs, length),
+            mask=torch.ones(1, length, length, dtype=torch.bool, device=input_ids.device).tril(),
+            write_slots=torch.full_like(input_ids, -1),
+            num_new=torch.full((num_seqs,), length, device=input_ids.device),
+            trees=(),
+            cache_lens=torch.zeros(num_seqs, dtype=torch.long, device=input_ids.device),
+            dense_causal=True,
+        )
+
     def last_index(self) -> Tensor:
         """``[num_seqs]`` index of each sequence's last real new token (for next-token logits)."""
         return (self.num_new - 1).clamp(min=0)

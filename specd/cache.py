@@ -11,7 +11,8 @@ A pass over a `ForwardBatch` writes the new tokens' keys and values to slots
 - ``rollback(lengths)`` forgets everything past the given lengths (cheap: slots are reused).
 
 Slots are preallocated per sequence and grow by doubling, so a step never reallocates in the
-common case. Recurrent-state caches (Gated DeltaNet) follow the same two verbs.
+common case. Recurrent-state caches (Gated DeltaNet) and the hybrid cache of the Qwen3-Next and
+sparse targets follow the same verbs: see `specd.state_cache`.
 """
 
 from __future__ import annotations
@@ -76,15 +77,18 @@ class KVCache:
         cache_v[seq_index, :, slot_index] = values[seq_index, :, new_index].to(cache_v.dtype)
         return cache_k[:, :, :num_slots], cache_v[:, :, :num_slots]
 
-    def commit(self, batch: ForwardBatch, paths: Sequence[Sequence[int]]) -> None:
-        """Keep ``paths[b]`` (root-to-node node indices) of each sequence's tree; see module doc."""
-        seq_index, src, dst = _path_moves(batch, paths)
+    def commit(self, batch: ForwardBatch, paths: Sequence[Sequence[int] | None]) -> None:
+        """Keep ``paths[b]`` (root-to-node node indices) of each sequence's tree; see module doc.
+
+        ``paths[b] = None`` leaves sequence b untouched (its length stays what it is now).
+        """
+        seq_index, src, dst = path_moves(batch, paths)
         for store in (self.keys, self.values):
             for cache in store:
                 cache[seq_index, :, dst] = cache[seq_index, :, src].clone()
-        self.lengths = batch.cache_lens + torch.tensor(
-            [len(p) for p in paths], dtype=torch.long, device=self.lengths.device
-        )
+        for b, path in enumerate(paths):
+            if path is not None:
+                self.lengths[b] = batch.cache_lens[b] + len(path)
 
     def rollback(self, lengths: Sequence[int] | Tensor) -> None:
         """Forget every slot at or past ``lengths[b]``."""
@@ -103,14 +107,16 @@ class KVCache:
         self.reserve(batch.mask.shape[-1])
 
 
-def _path_moves(
-    batch: ForwardBatch, paths: Sequence[Sequence[int]]
+def path_moves(
+    batch: ForwardBatch, paths: Sequence[Sequence[int] | None]
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(sequence, source slot, destination slot) for every kept node, as flat index tensors."""
     if len(paths) != batch.num_seqs:
         raise ValueError(f"commit needs one path per sequence: {len(paths)} for {batch.num_seqs}")
     seqs, sources, destinations = [], [], []
     for b, path in enumerate(paths):
+        if path is None:
+            continue
         start = int(batch.cache_lens[b])
         tree = batch.trees[b]
         if path and tree.path(path[-1]) != list(path):

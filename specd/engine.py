@@ -1,21 +1,30 @@
 """In-process decoding loops over a target model.
 
-`autoregressive` is plain decoding: the baseline every speculative result is compared to
-(and the reference for "greedy speculative output == plain greedy output"). It batches ragged
-prompts: one prefill pass, then one decode pass per step for the sequences still running.
+`autoregressive` is plain decoding, written as simply as possible: the reference for "greedy
+speculative output == plain greedy output". It batches ragged prompts: one prefill pass, then
+one decode pass per step for the sequences still running.
+
+`SpeculativeEngine` is the serving loop: continuous batching of many sequences, block
+verification with the rejection sampler, cache commit of the accepted path, drafting of the
+next block's candidates overlapped with verification, and a cost model that picks the block
+length per step (down to plain decoding). With no drafter it *is* plain decoding, in the same
+code path as everything it is compared with.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from specd.batch import ForwardBatch
-from specd.sampling import SamplingParams, sample, target_probs
+from specd.cost_model import CostModel
+from specd.drafters.base import DraftBlock, DrafterUnavailable, DraftRequest, SpeculateRequest, check_block_size
+from specd.sampling import SamplingParams, VerifyResult, sample, target_probs, verify_block
 from specd.tree import TokenTree
 
 
@@ -87,3 +96,289 @@ def timed(fn, *args, **kwargs):
     start = time.perf_counter()
     result = fn(*args, **kwargs)
     return result, time.perf_counter() - start
+
+
+# ====================================================================== speculative decoding
+@dataclass(kw_only=True, slots=True)
+class EngineConfig:
+    max_num_seqs: int = 16
+    """Sequences decoded together (rows of the target's cache)."""
+    block_size: int = 8
+    """Most drafted tokens verified per sequence per pass."""
+    mode: str = "async"
+    """"async": the drafter drafts candidates for the next block while the target verifies
+    (D3D); "sync": it drafts after verification (what a drafter reading target states must do)."""
+    candidate_budget: int = 4
+    """Outcomes (k, c) per sequence the drafter drafts a next block for, in async mode."""
+    adaptive_block: bool = True
+    """Let the cost model shorten blocks (down to plain decoding) when that is faster."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("async", "sync"):
+            raise ValueError(f"mode must be 'async' or 'sync', got {self.mode!r}")
+        if self.block_size < 0:
+            raise ValueError(f"block_size must be >= 0, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineStats:
+    """Counters named like vLLM's spec-decode metrics, plus the candidate hit rate and timings."""
+
+    num_steps: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    num_drafts_per_pos: list[int] = field(default_factory=list)
+    num_emitted_tokens: int = 0
+    num_target_passes: int = 0
+    num_drafter_calls: int = 0
+    num_candidate_lookups: int = 0
+    num_candidate_hits: int = 0
+    seconds_total: float = 0.0
+    seconds_target: float = 0.0
+    seconds_drafter_blocking: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per target pass per sequence (= mean accepted + 1)."""
+        return (self.num_accepted_tokens / self.num_drafts + 1) if self.num_drafts else 1.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_candidate_hits / self.num_candidate_lookups if self.num_candidate_lookups else 0.0
+
+    @property
+    def acceptance_per_pos(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.num_accepted_tokens_per_pos, self.num_drafts_per_pos)]
+
+    @property
+    def overhead_per_step(self) -> float:
+        """Seconds per step spent outside target passes and blocking drafter calls."""
+        outside = self.seconds_total - self.seconds_target - self.seconds_drafter_blocking
+        return outside / self.num_steps if self.num_steps else 0.0
+
+    def count_block(self, drafted: int, accepted: int) -> None:
+        while len(self.num_drafts_per_pos) < drafted:
+            self.num_drafts_per_pos.append(0)
+            self.num_accepted_tokens_per_pos.append(0)
+        for i in range(drafted):
+            self.num_drafts_per_pos[i] += 1
+            self.num_accepted_tokens_per_pos[i] += int(i < accepted)
+        if drafted:
+            self.num_draft_tokens += drafted
+            self.num_accepted_tokens += accepted
+        self.num_drafts += 1
+
+
+@dataclass(kw_only=True, slots=True)
+class _Sequence:
+    seq_id: int
+    row: int
+    params: SamplingParams
+    generator: torch.Generator
+    context: list[int]
+    num_prompt: int
+    cached: int = 0  # tokens of ``context`` in the target's cache (all but the last, once running)
+    block: DraftBlock | None = None
+    candidates: dict | None = None
+    generation: Generation = field(default_factory=Generation)
+    done: bool = False
+
+
+class SpeculativeEngine:
+    """Lossless speculative decoding of a batch of sequences over one target model.
+
+    Each step is one target pass over every running sequence: the uncached context tail plus
+    the drafted block (a chain), ragged across sequences. The rejection sampler
+    (`specd.sampling.verify_block`) decides the accepted length k and the next token c; the
+    target cache commits the accepted path. In async mode the drafter drafts the next block
+    for likely outcomes (k, c) *during* the target pass (in a worker thread: torch releases
+    the GIL); a hit is used at once, a miss asks for a fresh block, and a drafter that fails
+    is dropped for plain decoding — a request never fails for speed's sake.
+    """
+
+    def __init__(self, target: nn.Module, drafter=None, config: EngineConfig | None = None) -> None:
+        self.target = target.eval()
+        self.drafter = drafter
+        self.config = config or EngineConfig()
+        if drafter is not None and drafter.vocab_size != target.config.vocab_size:
+            raise ValueError(
+                f"the drafter's vocabulary ({drafter.vocab_size}) differs from the target's "
+                f"({target.config.vocab_size}): they must share one tokenizer"
+            )
+        if drafter is not None:
+            check_block_size(self.config.block_size, drafter.max_block)
+        self.device = next(target.parameters()).device
+        self.cache = target.new_cache(self.config.max_num_seqs)
+        self.cost_model = CostModel()
+        self.stats = EngineStats()
+        self._pool = ThreadPoolExecutor(max_workers=1) if self.config.mode == "async" else None
+
+    # ------------------------------------------------------------------ public
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[Generation]:
+        """Decode all prompts (at most ``max_num_seqs`` at a time, continuous batching)."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        for prompt in prompts:
+            check_prompt(prompt, self.target.config.vocab_size)
+        waiting = list(range(len(prompts)))
+        running: list[_Sequence] = []
+        results: list[Generation | None] = [None] * len(prompts)
+        free_rows = list(range(self.config.max_num_seqs - 1, -1, -1))
+        start = time.perf_counter()
+        while waiting or running:
+            while waiting and free_rows:
+                i = waiting.pop(0)
+                row = free_rows.pop()
+                self._reset_row(row)
+                running.append(_Sequence(
+                    seq_id=i, row=row, params=params[i], generator=params[i].generator(self.device),
+                    context=list(map(int, prompts[i])), num_prompt=len(prompts[i]),
+                ))
+            self.step(running)
+            for seq in [s for s in running if s.done]:
+                running.remove(seq)
+                results[seq.seq_id] = seq.generation
+                free_rows.append(seq.row)
+                if self.drafter is not None and hasattr(self.drafter, "release"):
+                    self.drafter.release(seq.seq_id)
+        self.stats.seconds_total += time.perf_counter() - start
+        return results
+
+    # ------------------------------------------------------------------ one step
+    def step(self, running: list[_Sequence]) -> None:
+        """One target pass over every running sequence."""
+        self.stats.num_steps += 1
+        self._ensure_blocks(running)
+        length = self._verify_length(running)
+        blocks = [s.block.tokens[:length] if s.block is not None else [] for s in running]
+        future = self._speculate_async(running, blocks)
+        start = time.perf_counter()
+        probs = self._verify_pass(running, blocks)
+        self.stats.seconds_target += time.perf_counter() - start
+        self.stats.num_target_passes += 1
+        self.cost_model.observe_pass(len(running), max(len(b) for b in blocks) + 1, time.perf_counter() - start)
+        candidates = self._join(future)
+        paths = [None] * self.config.max_num_seqs
+        for i, (seq, block) in enumerate(zip(running, blocks)):
+            result = self._accept(seq, block, probs[i])
+            paths[seq.row] = list(range(len(seq.context) - seq.cached + result.num_accepted))
+            self._emit(seq, block[: result.num_accepted] + [result.next_token])
+            self.stats.count_block(len(block), result.num_accepted)
+            if seq.block is not None and block:
+                predicted = CostModel.expected_accepted(seq.block.confidence, len(block))
+                self.cost_model.observe_acceptance(predicted, result.num_accepted)
+            outcome = (result.num_accepted, result.next_token)
+            seq.block = None
+            if candidates is not None:
+                self.stats.num_candidate_lookups += 1
+                hit = candidates[i].get(outcome)
+                if hit is not None:
+                    self.stats.num_candidate_hits += 1
+                    seq.block = hit
+        self.cache.commit(self._last_batch, paths)
+        for seq in running:
+            seq.cached = len(seq.context) - 1 if not seq.done else seq.cached
+
+    def _ensure_blocks(self, running: list[_Sequence]) -> None:
+        """A fresh block for every running sequence that has none (first step, or a miss)."""
+        need = [s for s in running if s.block is None]
+        if self.drafter is None or not need or self.config.block_size == 0:
+            return
+        requests = [
+            DraftRequest(seq_id=s.seq_id, context=s.context, block_size=self.config.block_size, params=s.params)
+            for s in need
+        ]
+        start = time.perf_counter()
+        try:
+            blocks = self.drafter.draft(requests)
+        except DrafterUnavailable:
+            self.drafter = None  # plain decoding from here on
+            return
+        finally:
+            self.stats.seconds_drafter_blocking += time.perf_counter() - start
+            self.stats.num_drafter_calls += 1
+        for seq, block in zip(need, blocks):
+            seq.block = block
+
+    def _verify_length(self, running: list[_Sequence]) -> int:
+        longest = max((len(s.block.tokens) for s in running if s.block is not None), default=0)
+        if not self.config.adaptive_block:
+            return longest
+        confidences = [s.block.confidence if s.block is not None else [] for s in running]
+        return self.cost_model.choose_length(confidences, longest)
+
+    def _speculate_async(self, running: list[_Sequence], blocks: list[list[int]]):
+        if self._pool is None or self.drafter is None or not hasattr(self.drafter, "speculate"):
+            return None
+        requests = [
+            SpeculateRequest(
+                seq_id=s.seq_id, context=list(s.context), block=block, block_size=self.config.block_size,
+                budget=self.config.candidate_budget, params=s.params,
+            )
+            for s, block in zip(running, blocks)
+        ]
+        self.stats.num_drafter_calls += 1
+        return self._pool.submit(self.drafter.speculate, requests)
+
+    def _join(self, future):
+        if future is None:
+            return None
+        start = time.perf_counter()
+        try:
+            return future.result()
+        except DrafterUnavailable:
+            self.drafter = None
+            return None
+        finally:
+            self.stats.seconds_drafter_blocking += time.perf_counter() - start
+
+    @torch.inference_mode()
+    def _verify_pass(self, running: list[_Sequence], blocks: list[list[int]]) -> list[Tensor]:
+        """Target distributions ``[len(block) + 1, vocab]`` per sequence, after its params."""
+        trees = [TokenTree.chain([], int(length)) for length in self.cache.lengths]
+        for seq, block in zip(running, blocks):
+            trees[seq.row] = TokenTree.chain(seq.context[seq.cached :] + block, seq.cached)
+        batch = ForwardBatch.from_trees(trees, self.cache.lengths, self.device)
+        self._last_batch = batch
+        logits = self.target(batch, self.cache)  # [max_num_seqs, max_new, vocab]
+        out = []
+        for seq, block in zip(running, blocks):
+            first = len(seq.context) - seq.cached - 1  # the last committed token's column
+            out.append(target_probs(logits[seq.row, first : first + len(block) + 1], seq.params))
+        return out
+
+    def _accept(self, seq: _Sequence, block: list[int], probs: Tensor) -> VerifyResult:
+        draft_probs = None
+        if block and seq.block is not None and seq.block.probs is not None:
+            draft_probs = seq.block.probs[: len(block)]
+        return verify_block(torch.tensor(block, dtype=torch.long), draft_probs, probs, seq.generator)
+
+    def _emit(self, seq: _Sequence, tokens: list[int]) -> None:
+        """Append committed tokens to the output, stopping at a stop token or max_tokens."""
+        out = seq.generation
+        out.num_passes += 1
+        for token in tokens:
+            seq.context.append(token)
+            out.token_ids.append(token)
+            self.stats.num_emitted_tokens += 1
+            if token in seq.params.stop_token_ids:
+                out.finish_reason, seq.done = "stop", True
+            elif len(out.token_ids) >= seq.params.max_tokens:
+                out.finish_reason, seq.done = "length", True
+            if seq.done:
+                return
+
+    def _reset_row(self, row: int) -> None:
+        lengths = self.cache.lengths.clone()
+        lengths[row] = 0
+        self.cache.rollback(lengths)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

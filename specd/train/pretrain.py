@@ -73,26 +73,10 @@ def sample_windows(streams: list[np.ndarray], config: PretrainConfig, rng: np.ra
 def causal_lm_loss(model: nn.Module, windows: Tensor, bf16: bool) -> Tensor:
     """Mean next-token cross-entropy over ``[num_windows, seq_len + 1]`` windows."""
     inputs, targets = windows[:, :-1], windows[:, 1:]
-    batch = _dense_batch(inputs)
+    batch = ForwardBatch.dense(inputs)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         logits = model(batch)
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-
-def _dense_batch(inputs: Tensor) -> ForwardBatch:
-    """A no-cache causal batch of equal-length rows, without building per-row trees."""
-    num_seqs, length = inputs.shape
-    positions = torch.arange(length).expand(num_seqs, length)
-    return ForwardBatch(
-        input_ids=inputs,
-        positions=positions,
-        mask=torch.ones(1, length, length, dtype=torch.bool).tril(),
-        write_slots=torch.full_like(inputs, -1),
-        num_new=torch.full((num_seqs,), length),
-        trees=(),
-        cache_lens=torch.zeros(num_seqs, dtype=torch.long),
-        dense_causal=True,
-    )
 
 
 def pretrain(

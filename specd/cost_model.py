@@ -1,0 +1,104 @@
+"""How many drafted tokens to verify this step: expected tokens per second, measured, not guessed.
+
+A target pass over ``t`` tokens per sequence at batch ``n`` costs ``c_n(t) ~ a_n + b_n * t``
+seconds; the line is fitted online from the passes the engine times (exponentially weighted
+least squares), starting from a prior slope of ``b/a = 1/16`` (what a small model on a CPU
+shows; a GPU at low batch is flatter, and the fit learns that within a few steps).
+
+Verifying ``L`` drafted tokens of a sequence whose drafter put confidence ``a_i`` on position
+``i`` is expected to commit ``E(L) = 1 + g * sum_{i<=L} prod_{j<=i} a_j`` tokens, where ``g``
+calibrates the drafter's confidence against what the target actually accepted. One ``L`` is
+chosen for the whole batch (padding makes the longest block the cost), maximising
+``sum_s E_s(L) / c_n(L + 1)``; ``L = 0`` is plain decoding, chosen when speculation does not pay.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(kw_only=True, slots=True)
+class _Line:
+    """Exponentially weighted least squares of cost against tokens per sequence."""
+
+    decay: float = 0.95
+    weight: float = 0.0
+    sum_t: float = 0.0
+    sum_c: float = 0.0
+    sum_tt: float = 0.0
+    sum_tc: float = 0.0
+
+    def add(self, tokens: float, seconds: float) -> None:
+        d = self.decay
+        self.weight = d * self.weight + 1
+        self.sum_t = d * self.sum_t + tokens
+        self.sum_c = d * self.sum_c + seconds
+        self.sum_tt = d * self.sum_tt + tokens * tokens
+        self.sum_tc = d * self.sum_tc + tokens * seconds
+
+    def predict(self, tokens: float, prior_slope_ratio: float) -> float | None:
+        if self.weight == 0:
+            return None
+        mean_t, mean_c = self.sum_t / self.weight, self.sum_c / self.weight
+        var_t = self.sum_tt / self.weight - mean_t * mean_t
+        if var_t > 1e-6:
+            slope = (self.sum_tc / self.weight - mean_t * mean_c) / var_t
+            intercept = mean_c - slope * mean_t
+            if intercept > 0 and slope >= 0:
+                return intercept + slope * tokens
+        # One distinct length seen so far: scale the prior line through the observed mean.
+        base = mean_c / (1 + prior_slope_ratio * mean_t)
+        return base * (1 + prior_slope_ratio * tokens)
+
+
+@dataclass(kw_only=True, slots=True)
+class CostModel:
+    prior_slope_ratio: float = 1 / 16
+    """b/a of the cost line before any measurement."""
+    lines: dict[int, _Line] = field(default_factory=dict)
+    calibration: float = 1.0
+    """g: accepted tokens per predicted accepted token (EMA)."""
+    explore_every: int = 16
+    """Every this many steps verify the full block, so the fit keeps seeing long passes."""
+    steps: int = 0
+
+    @staticmethod
+    def _bucket(num_seqs: int) -> int:
+        return 1 << max(0, math.ceil(math.log2(max(num_seqs, 1))))
+
+    def observe_pass(self, num_seqs: int, tokens_per_seq: int, seconds: float) -> None:
+        self.lines.setdefault(self._bucket(num_seqs), _Line()).add(tokens_per_seq, seconds)
+
+    def observe_acceptance(self, predicted: float, accepted: int) -> None:
+        if predicted > 0.05:
+            self.calibration = 0.9 * self.calibration + 0.1 * min(accepted / predicted, 2.0)
+
+    def pass_cost(self, num_seqs: int, tokens_per_seq: int) -> float:
+        line = self.lines.get(self._bucket(num_seqs))
+        predicted = line.predict(tokens_per_seq, self.prior_slope_ratio) if line else None
+        return predicted if predicted is not None else 1 + self.prior_slope_ratio * tokens_per_seq
+
+    @staticmethod
+    def expected_accepted(confidence: list[float], length: int) -> float:
+        total, running = 0.0, 1.0
+        for a in confidence[:length]:
+            running *= a
+            total += running
+        return total
+
+    def choose_length(self, confidences: list[list[float]], max_length: int) -> int:
+        """The verified block length for this step (see the module docstring)."""
+        self.steps += 1
+        if max_length == 0 or not confidences:
+            return 0
+        if self.steps % self.explore_every == 1:
+            return max_length
+        num_seqs = len(confidences)
+        best, best_rate = 0, -1.0
+        for length in range(max_length + 1):
+            committed = sum(1 + self.calibration * self.expected_accepted(c, length) for c in confidences)
+            rate = committed / self.pass_cost(num_seqs, length + 1)
+            if rate > best_rate:
+                best, best_rate = length, rate
+        return best

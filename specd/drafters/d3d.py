@@ -1,0 +1,250 @@
+"""The D3D drafter at run time: per-sequence caches, blocks, and candidates in one packed pass.
+
+`D3DDrafter` keeps one KV-cache row per sequence holding the committed context it has seen.
+Every call first *syncs* each sequence: from its previous packed pass it commits the longest
+path of known nodes that the new context confirms (the accepted tokens, and the correction or
+bonus node of a hit), and feeds the context tokens it has not seen as known nodes of the next
+pass. So a hit costs nothing extra and a miss costs one token.
+
+`speculate` is D3D's point: while the target verifies block ``b`` (drafted here, with one extra
+mask position whose distribution guesses the bonus token), it drafts the next block for the most
+likely outcomes ``(k, c)`` of that verification. With q_i the drafter's distribution at block
+position i (q_B the extra one):
+
+    P(k accepted, then c) ~ prod_{i<k} q_i(b_i) * q_k(c)      (c != b_k when k < B)
+
+since P(reject at k) * P(c | reject at k) = (1 - q_k(b_k)) * q_k(c) / (1 - q_k(b_k)). The
+``budget`` best outcomes each get a known node ``c`` under ``b_{k-1}`` and a mask group under
+it — all in ONE pass together with the block itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from specd.drafters.base import DraftBlock, DraftRequest, check_block_size
+from specd.models.d3d import D3DModel, DraftPass, MaskGroup, build_draft_pass
+from specd.sampling import SamplingParams, sample, target_probs
+from specd.tree import TokenTree
+
+Outcome = tuple[int, int]  # (accepted length k, correction or bonus token c)
+
+
+@dataclass(kw_only=True, slots=True)
+class SpeculateRequest:
+    """Draft next blocks for likely outcomes of verifying ``block`` after ``context``."""
+
+    seq_id: int
+    context: list[int]  # committed tokens; ``block`` continues them
+    block: list[int]  # the block under verification (a prefix of one this drafter returned)
+    block_size: int  # size of the next blocks
+    budget: int  # how many outcomes (k, c) to draft for
+    params: SamplingParams
+
+
+@dataclass(kw_only=True, slots=True)
+class _Seq:
+    row: int
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)  # committed in the cache row
+    children: dict[tuple[int, int], int] = field(default_factory=dict)  # last pass: (parent, token) -> node
+    last_pass: DraftPass | None = None
+    returned: list[tuple[list[int], Tensor]] = field(default_factory=list)  # blocks + their q [B+1, V]
+
+
+def likely_outcomes(dists: Tensor, tokens: list[int], budget: int) -> list[Outcome]:
+    """The ``budget`` most likely (k, c) given the block's distributions ``[B + 1, vocab]``."""
+    num = len(tokens)
+    index = torch.arange(num)
+    drafted = torch.tensor(tokens, dtype=torch.long)
+    accept = dists[index, drafted]  # [B] drafter's estimate that b_i is accepted
+    prefix = torch.cat([torch.ones(1), accept.cumprod(0)])  # [B + 1] P(first k accepted)
+    scores = prefix[:, None] * dists[: num + 1]  # [B + 1, vocab]
+    scores[index, drafted] = 0.0  # c = b_k would not be a rejection
+    top = scores.flatten().topk(min(budget, scores.numel())).indices
+    vocab = dists.shape[-1]
+    return [(int(i) // vocab, int(i) % vocab) for i in top]
+
+
+class D3DDrafter:
+    """Drafts blocks and candidate blocks with a `D3DModel` (see the module docstring)."""
+
+    name = "d3d"
+
+    def __init__(self, model: D3DModel, *, max_num_seqs: int = 16, device: str | torch.device = "cpu") -> None:
+        self.model = model.to(device).eval()
+        self.device = torch.device(device)
+        self.vocab_size = model.config.vocab_size
+        self.max_block = model.config.block_size - 1  # one mask position guesses the bonus token
+        self.max_num_seqs = max_num_seqs
+        self.cache = model.new_cache(max_num_seqs)
+        self.seqs: dict[int, _Seq] = {}
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self.num_passes = 0
+
+    # ---------------------------------------------------------------- sequences
+    def release(self, seq_id: int) -> None:
+        seq = self.seqs.pop(seq_id, None)
+        if seq is not None:
+            self.free_rows.append(seq.row)
+
+    def _seq(self, seq_id: int, params: SamplingParams) -> _Seq:
+        if seq_id not in self.seqs:
+            if not self.free_rows:
+                raise RuntimeError(f"the drafter holds {self.max_num_seqs} sequences; release one first")
+            row = self.free_rows.pop()
+            self._set_length(row, 0)
+            self.seqs[seq_id] = _Seq(row=row, generator=params.generator(self.device))
+        return self.seqs[seq_id]
+
+    def _set_length(self, row: int, length: int) -> None:
+        lengths = self.cache.lengths.clone()
+        lengths[row] = length
+        self.cache.rollback(lengths)
+
+    def _sync(self, seqs: list[_Seq], contexts: list[list[int]]) -> list[list[int]]:
+        """Commit what each new context confirms from the last pass; return the unseen tokens."""
+        by_pass: dict[int, tuple[DraftPass, list]] = {}
+        for seq, context in zip(seqs, contexts):
+            base = len(seq.tokens)
+            if seq.last_pass is None or context[:base] != seq.tokens:
+                continue
+            node, path = -1, []
+            while base + len(path) < len(context):
+                node = seq.children.get((node, context[base + len(path)]), -2)
+                if node == -2:
+                    break
+                path.append(node)
+            entry = by_pass.setdefault(id(seq.last_pass), (seq.last_pass, [None] * self.max_num_seqs))
+            entry[1][seq.row] = path
+            seq.tokens = context[: base + len(path)]
+        for draft_pass, paths in by_pass.values():
+            self.cache.commit(draft_pass.batch, paths)
+        unseen = []
+        for seq, context in zip(seqs, contexts):
+            seq.last_pass, seq.children = None, {}
+            common = _common_prefix(seq.tokens, context)
+            if common < len(seq.tokens):  # the context diverged from what the row holds
+                self._set_length(seq.row, common)
+                seq.tokens = seq.tokens[:common]
+            unseen.append(context[common:])
+        return unseen
+
+    # ---------------------------------------------------------------- the packed pass
+    @torch.inference_mode()
+    def _run(self, known: dict[int, list[tuple[int, int]]], groups: list[MaskGroup]) -> tuple[DraftPass, Tensor]:
+        """One pass: ``known[row]`` = (parent, token) nodes in order, plus mask groups.
+
+        Returns the pass and the fp32 logits ``[num_groups, max_group, vocab]`` of the masks.
+        """
+        trees = []
+        for row in range(self.max_num_seqs):
+            nodes = known.get(row, [])
+            start = int(self.cache.lengths[row])
+            trees.append(TokenTree(
+                torch.tensor([t for _, t in nodes], dtype=torch.long),
+                torch.tensor([p for p, _ in nodes], dtype=torch.long),
+                torch.full((len(nodes),), start, dtype=torch.long),
+            ))
+        draft_pass = build_draft_pass(trees, groups, self.model.config.mask_token_id, self.cache.lengths, self.device)
+        logits = self.model(draft_pass.batch, self.cache)  # [rows, max_new, vocab]
+        self.num_passes += 1
+        rows = torch.tensor([g.seq for g in groups], device=self.device)
+        return draft_pass, logits[rows[:, None], draft_pass.mask_index.clamp(min=0)].float()
+
+    def _block(self, seq: _Seq, logits: Tensor, block_size: int, params: SamplingParams) -> DraftBlock:
+        """A block from one group's logits ``[block_size + 1, vocab]`` (the last guesses the bonus)."""
+        dists = logits.softmax(-1)  # the drafter's own beliefs, for planning outcomes
+        if params.greedy:
+            tokens = dists[:block_size].argmax(-1)
+            probs = None
+            confidence = dists[torch.arange(block_size), tokens]
+        else:
+            probs = target_probs(logits[:block_size], params)  # q: what the tokens are sampled from
+            tokens = sample(probs, seq.generator)
+            confidence = probs[torch.arange(block_size), tokens]
+        seq.returned.append((tokens.tolist(), dists))
+        return DraftBlock(tokens=tokens.tolist(), probs=probs, confidence=confidence.tolist())
+
+    def _finish(self, seq: _Seq, draft_pass: DraftPass, nodes: list[tuple[int, int]]) -> None:
+        seq.last_pass = draft_pass
+        seq.children = {(parent, token): i for i, (parent, token) in enumerate(nodes)}
+
+    # ---------------------------------------------------------------- the Drafter protocol
+    def draft(self, requests: list[DraftRequest]) -> list[DraftBlock]:
+        """A fresh block after each request's committed context."""
+        for request in requests:
+            check_block_size(request.block_size, self.max_block)
+        seqs = [self._seq(r.seq_id, r.params) for r in requests]
+        unseen = self._sync(seqs, [list(r.context) for r in requests])
+        known, groups = {}, []
+        for seq, request, new in zip(seqs, requests, unseen):
+            known[seq.row] = [(i - 1, t) for i, t in enumerate(new)]
+            groups.append(MaskGroup(seq=seq.row, node=len(new) - 1, size=request.block_size + 1))
+        draft_pass, logits = self._run(known, groups)
+        blocks = []
+        for g, (seq, request) in enumerate(zip(seqs, requests)):
+            self._finish(seq, draft_pass, known[seq.row])
+            seq.returned = []
+            blocks.append(self._block(seq, logits[g, : request.block_size + 1], request.block_size, request.params))
+        return blocks
+
+    def speculate(self, requests: list[SpeculateRequest]) -> list[dict[Outcome, DraftBlock]]:
+        """Next blocks for the likely outcomes of each request's block under verification."""
+        for request in requests:
+            check_block_size(request.block_size, self.max_block)
+        seqs = [self._seq(r.seq_id, r.params) for r in requests]
+        plans = []
+        for seq, request in zip(seqs, requests):
+            dists = self._dists_of(seq, request.block)
+            plans.append(likely_outcomes(dists, request.block, request.budget) if dists is not None else [])
+        unseen = self._sync(seqs, [list(r.context) for r in requests])
+        known, groups, outcome_groups = {}, [], []
+        for seq, request, new, outcomes in zip(seqs, requests, unseen, plans):
+            nodes = [(i - 1, t) for i, t in enumerate(new)]
+            end = len(nodes) - 1  # the node that ends the context (-1: the cache ends it)
+            block_nodes = []
+            for token in request.block:
+                nodes.append((block_nodes[-1] if block_nodes else end, token))
+                block_nodes.append(len(nodes) - 1)
+            mine = {}
+            for k, c in outcomes:
+                nodes.append((block_nodes[k - 1] if k else end, c))
+                mine[(k, c)] = len(groups)
+                groups.append(MaskGroup(seq=seq.row, node=len(nodes) - 1, size=request.block_size + 1))
+            known[seq.row] = nodes
+            outcome_groups.append(mine)
+        draft_pass, logits = self._run(known, groups)
+        results = []
+        for seq, request, mine in zip(seqs, requests, outcome_groups):
+            self._finish(seq, draft_pass, known[seq.row])
+            seq.returned = []
+            results.append({
+                outcome: self._block(seq, logits[g, : request.block_size + 1], request.block_size, request.params)
+                for outcome, g in mine.items()
+            })
+        return results
+
+    def _dists_of(self, seq: _Seq, block: list[int]) -> Tensor | None:
+        """The drafter's distributions ``[len(block) + 1, vocab]`` for a block it returned.
+
+        The engine may verify a prefix of a returned block (its cost model shortens blocks);
+        then the distribution at the first dropped position is the bonus guess.
+        """
+        for tokens, dists in seq.returned:
+            if tokens[: len(block)] == block:
+                return dists[: len(block) + 1]
+        return None
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,0 +1,254 @@
+"""Offline drafter training (D3D pre-training, and the DFlash-style baseline on the same data).
+
+Data is the target's *own* output: responses it generates (greedy and temperature 1, half each)
+to prompts taken from the zoo's training documents, cached beside the drafter. That is what a
+drafter must imitate, and with lossless decoding it is exactly what live traffic looks like.
+
+One training pass packs, per sequence, the causal trunk (prompt tail + response) and ``G``
+mask groups at random anchors in the response: group g holds ``block_size`` masks at positions
+``a_g .. a_g + block_size - 1``, sees the trunk before ``a_g`` and, bidirectionally, itself.
+Loss (D3D): blockwise denoising cross-entropy on the masks, weighted toward early positions
+(acceptance is a prefix property: position i only counts if all before it are accepted), plus
+an auxiliary autoregressive cross-entropy from the trunk through ``ar_head``.
+
+The DFlash-style variant reads the target's final hidden states at trunk positions, and its
+group starts with the known token before the block (whose target state the drafter cannot have
+at draft time, since the target has not run on it yet).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm import tqdm
+
+from specd.batch import ForwardBatch
+from specd.engine import autoregressive
+from specd.models.d3d import D3DModel
+from specd.models.loading import save_model
+from specd.sampling import SamplingParams
+from specd.train.pretrain import lr_at, PretrainConfig
+
+
+@dataclass(kw_only=True, slots=True)
+class DrafterTrainConfig:
+    steps: int = 500
+    """Optimizer steps."""
+    batch_size: int = 16
+    """Sequences per step."""
+    seq_len: int = 224
+    """Trunk tokens per sequence (prompt tail + response), padded."""
+    groups_per_seq: int = 8
+    """Mask groups per sequence."""
+    lr: float = 2e-3
+    """Peak learning rate (warmup + cosine, like pre-training)."""
+    warmup_steps: int = 30
+    """Linear warmup."""
+    ar_weight: float = 0.5
+    """Weight of the auxiliary autoregressive loss."""
+    position_decay: float = 6.0
+    """Denoising loss weight exp(-i / decay) at block position i."""
+    seed: int = 0
+    """Seed for initialisation, anchors and batches."""
+    bf16: bool = True
+    """bf16 autocast."""
+    checkpoint_every: int = 100
+    """Steps between resumable checkpoints."""
+
+
+# ---------------------------------------------------------------------------- data
+def training_prompts(documents: dict[str, list[str]], tokenizer, per_domain: int, seed: int) -> list[list[int]]:
+    """Prompts cut from training documents: chat turns up to the assistant, code heads."""
+    rng = np.random.default_rng(seed)
+    prompts = []
+    marker = "<|im_start|>assistant\n"
+    for domain, docs in documents.items():
+        for i in rng.choice(len(docs), size=min(per_domain, len(docs)), replace=False):
+            text = docs[int(i)]
+            if marker in text:
+                text = text[: text.index(marker) + len(marker)]
+            else:
+                lines = text.splitlines(keepends=True)
+                text = "".join(lines[: max(2, len(lines) // 4)])
+            ids = tokenizer.encode(text).ids[-160:]
+            if len(ids) >= 2:
+                prompts.append(ids)
+    return prompts
+
+
+def generate_responses(target: nn.Module, prompts: list[list[int]], max_tokens: int, batch: int = 32) -> list[list[int]]:
+    """prompt + the target's response for each prompt; even prompts greedy, odd ones at T=1."""
+    sequences = []
+    for start in tqdm(range(0, len(prompts), batch), desc="target responses", unit="batch"):
+        chunk = prompts[start : start + batch]
+        params = [
+            SamplingParams(max_tokens=max_tokens, temperature=0.0 if (start + j) % 2 == 0 else 1.0,
+                           seed=start + j, stop_token_ids=target.config.stop_token_ids)
+            for j in range(len(chunk))
+        ]
+        for prompt, generation in zip(chunk, autoregressive(target, chunk, params)):
+            sequences.append(prompt + generation.token_ids)
+    return sequences
+
+
+# ---------------------------------------------------------------------------- packed batches
+def denoising_batch(
+    tokens: Tensor,  # [num_seqs, seq_len] trunk tokens, right-padded
+    lengths: Tensor,  # [num_seqs] real trunk lengths
+    anchors: Tensor,  # [num_seqs, groups] first predicted position of each group
+    group_size: int,
+    mask_token_id: int,
+    lead: int = 0,  # known tokens leading each group (1 for the DFlash-style drafter)
+) -> tuple[ForwardBatch, Tensor]:
+    """The packed pass of the module docstring and the denoising targets ``[num_seqs, groups, group_size]``."""
+    num_seqs, seq_len = tokens.shape
+    groups = anchors.shape[1]
+    width = lead + group_size
+    total = seq_len + groups * width
+    offsets = torch.arange(width)
+    positions_groups = anchors[:, :, None] - lead + offsets  # [num_seqs, groups, width]
+    positions = torch.cat([torch.arange(seq_len).expand(num_seqs, seq_len), positions_groups.flatten(1)], dim=1)
+    group_ids = torch.full((num_seqs, groups, width), mask_token_id, dtype=torch.long)
+    if lead:
+        group_ids[:, :, :lead] = tokens.gather(1, (anchors[:, :, None] - lead + torch.arange(lead)).flatten(1)).view(num_seqs, groups, lead)
+    input_ids = torch.cat([tokens, group_ids.flatten(1)], dim=1)
+
+    mask = torch.zeros(num_seqs, total, total, dtype=torch.bool)
+    mask[:, :seq_len, :seq_len] = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    trunk = torch.arange(seq_len)
+    sees_trunk = trunk[None, None, :] < (anchors - lead)[:, :, None]  # [num_seqs, groups, seq_len]
+    group_of = torch.arange(groups).repeat_interleave(width)  # [groups * width]
+    mask[:, seq_len:, :seq_len] = sees_trunk[:, group_of]
+    same_group = group_of[:, None] == group_of[None, :]
+    mask[:, seq_len:, seq_len:] = same_group
+
+    target_positions = positions_groups[:, :, lead:]  # [num_seqs, groups, group_size]
+    valid = target_positions < lengths[:, None, None]
+    targets = tokens.gather(1, target_positions.clamp(max=seq_len - 1).flatten(1)).view_as(target_positions)
+    targets = targets.masked_fill(~valid, -100)
+    batch = ForwardBatch(
+        input_ids=input_ids, positions=positions, mask=mask,
+        write_slots=torch.full_like(input_ids, -1), num_new=torch.full((num_seqs,), total),
+        trees=(), cache_lens=torch.zeros(num_seqs, dtype=torch.long),
+    )
+    return batch, targets
+
+
+def sample_batch(sequences: list[list[int]], prompt_lens: list[int], config: DrafterTrainConfig,
+                 group_size: int, lead: int, rng: np.random.Generator, pad_id: int):
+    """Random sequences, cut to ``seq_len`` around their response, with anchors in the response."""
+    picks = rng.integers(0, len(sequences), size=config.batch_size)
+    tokens = torch.full((config.batch_size, config.seq_len), pad_id, dtype=torch.long)
+    lengths = torch.zeros(config.batch_size, dtype=torch.long)
+    anchors = torch.zeros(config.batch_size, config.groups_per_seq, dtype=torch.long)
+    for row, i in enumerate(picks):
+        seq, prompt_len = sequences[int(i)], prompt_lens[int(i)]
+        start = max(0, min(prompt_len - config.seq_len // 3, len(seq) - config.seq_len))
+        window = seq[start : start + config.seq_len]
+        tokens[row, : len(window)] = torch.tensor(window)
+        lengths[row] = len(window)
+        low = max(lead + 1, prompt_len - start)
+        high = max(low + 1, len(window) - 1)
+        anchors[row] = torch.from_numpy(rng.integers(low, high, size=config.groups_per_seq))
+    return tokens, lengths, anchors
+
+
+def drafter_loss(model: D3DModel, batch: ForwardBatch, targets: Tensor, tokens: Tensor, lengths: Tensor,
+                 config: DrafterTrainConfig, group_size: int, lead: int, target_hidden: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(total loss, denoising loss)."""
+    num_seqs, seq_len = tokens.shape
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
+        hidden = model.hidden_states(batch, None, target_hidden)
+        groups = targets.shape[1]
+        group_hidden = hidden[:, seq_len:].view(num_seqs, groups, lead + group_size, -1)[:, :, lead:]
+        denoise_logits = model.lm_head(group_hidden).float()
+        ar_logits = model.ar_head(hidden[:, : seq_len - 1]).float()
+    weights = torch.exp(-torch.arange(group_size, dtype=torch.float32) / config.position_decay)
+    per_token = F.cross_entropy(denoise_logits.flatten(0, 2), targets.flatten(), reduction="none", ignore_index=-100)
+    per_token = per_token.view_as(targets) * weights
+    valid = (targets != -100).float() * weights
+    denoise = per_token.sum() / valid.sum().clamp(min=1)
+    ar_targets = tokens[:, 1:].masked_fill(torch.arange(1, seq_len)[None] >= lengths[:, None], -100)
+    ar = F.cross_entropy(ar_logits.flatten(0, 1), ar_targets.flatten(), ignore_index=-100)
+    return denoise + config.ar_weight * ar, denoise
+
+
+# ---------------------------------------------------------------------------- the loop
+def train_drafter(
+    model: D3DModel,
+    sequences: list[list[int]],
+    prompt_lens: list[int],
+    config: DrafterTrainConfig,
+    out: Path,
+    *,
+    target: nn.Module | None = None,
+    pad_id: int = 6,
+    description: str = "drafter",
+) -> dict:
+    """Train in place with resumable checkpoints under ``out``; returns summary figures."""
+    lead = 1 if model.config.target_hidden_size else 0
+    if lead and target is None:
+        raise ValueError("the DFlash-style drafter trains on target hidden states: pass target")
+    group_size = model.config.block_size
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint = out / "checkpoint.pt"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.05)
+    rng = np.random.default_rng(config.seed)
+    first_step = 0
+    if checkpoint.is_file():
+        state = torch.load(checkpoint, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        rng.bit_generator.state = state["rng"]
+        torch.set_rng_state(state["torch_rng"])
+        first_step = state["step"]
+    schedule = PretrainConfig(steps=config.steps, lr=config.lr, warmup_steps=config.warmup_steps)
+    model.train()
+    start, smoothed = time.perf_counter(), float("nan")
+    bar = tqdm(range(first_step, config.steps), desc=description, unit="step", initial=first_step, total=config.steps)
+    for step in bar:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, schedule)
+        tokens, lengths, anchors = sample_batch(sequences, prompt_lens, config, group_size, lead, rng, pad_id)
+        batch, targets = denoising_batch(tokens, lengths, anchors, group_size, model.config.mask_token_id, lead)
+        target_hidden = None
+        if lead:
+            target_hidden = _target_hidden(target, tokens, batch.input_ids.shape[1])
+        loss, denoise = drafter_loss(model, batch, targets, tokens, lengths, config, group_size, lead, target_hidden)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        value = denoise.item()
+        smoothed = value if math.isnan(smoothed) else 0.95 * smoothed + 0.05 * value
+        bar.set_postfix(denoise=f"{smoothed:.3f}")
+        if (step + 1) % config.checkpoint_every == 0 and step + 1 < config.steps:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng.bit_generator.state,
+                        "torch_rng": torch.get_rng_state(), "step": step + 1}, checkpoint)
+    model.eval()
+    checkpoint.unlink(missing_ok=True)
+    return {"denoise_loss": smoothed, "seconds": time.perf_counter() - start, "config": asdict(config)}
+
+
+@torch.no_grad()
+def _target_hidden(target: nn.Module, tokens: Tensor, total: int) -> Tensor:
+    """Target final hidden states at trunk positions, zero at group columns."""
+    num_seqs, seq_len = tokens.shape
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = target.hidden_states(ForwardBatch.dense(tokens)).float()
+    out = hidden.new_zeros(num_seqs, total, hidden.shape[-1])
+    out[:, :seq_len] = hidden
+    return out
+
+
+def save_drafter(model: D3DModel, out: Path, stats: dict) -> None:
+    save_model(model, out)
+    (out / "training.json").write_text(json.dumps(stats, indent=2) + "\n")
