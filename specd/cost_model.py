@@ -5,8 +5,9 @@ seconds; the line is fitted online from the passes the engine times (exponential
 least squares), starting from a prior slope of ``b/a = 1/16`` (what a small model on a CPU
 shows; a GPU at low batch is flatter, and the fit learns that within a few steps).
 
-Verifying ``L`` drafted tokens of a sequence whose drafter put confidence ``a_i`` on position
-``i`` is expected to commit ``E(L) = 1 + g * sum_{i<=L} prod_{j<=i} a_j`` tokens, where ``g``
+Verifying ``L`` drafted tokens of a sequence whose drafter believes position ``i`` and all before
+it are accepted with probability ``a_i`` (`DraftBlock.confidence`) is expected to commit
+``E(L) = 1 + g * sum_{i<=L} a_i`` tokens, where ``g``
 calibrates the drafter's confidence against what the target actually accepted. One ``L`` is
 chosen for the whole batch (padding makes the longest block the cost), maximising
 ``sum_s E_s(L) / c_n(L + 1)``; ``L = 0`` is plain decoding, chosen when speculation does not pay.
@@ -81,11 +82,7 @@ class CostModel:
 
     @staticmethod
     def expected_accepted(confidence: list[float], length: int) -> float:
-        total, running = 0.0, 1.0
-        for a in confidence[:length]:
-            running *= a
-            total += running
-        return total
+        return float(sum(confidence[:length]))
 
     def choose_length(self, confidences: list[list[float]], max_length: int) -> int:
         """The verified block length for this step (see the module docstring)."""

@@ -49,7 +49,7 @@ def check_prompt(prompt: Sequence[int], vocab_size: int) -> None:
         raise ValueError(f"prompt ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def autoregressive(
     model: nn.Module,
     prompts: Sequence[Sequence[int]],
@@ -251,6 +251,7 @@ class SpeculativeEngine:
         return results
 
     # ------------------------------------------------------------------ one step
+    @torch.no_grad()
     def step(self, running: list[_Sequence]) -> None:
         """One target pass over every running sequence."""
         self.stats.num_steps += 1
@@ -338,7 +339,7 @@ class SpeculativeEngine:
         finally:
             self.stats.seconds_drafter_blocking += time.perf_counter() - start
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def _verify_pass(self, running: list[_Sequence], blocks: list[list[int]]) -> list[Tensor]:
         """Target distributions ``[len(block) + 1, vocab]`` per sequence, after its params."""
         trees = [TokenTree.chain([], int(length)) for length in self.cache.lengths]

@@ -25,24 +25,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from specd.drafters.base import DraftBlock, DraftRequest, check_block_size
+from specd.drafters.base import DraftBlock, DraftRequest, SpeculateRequest, check_block_size
 from specd.models.d3d import D3DModel, DraftPass, MaskGroup, build_draft_pass
 from specd.sampling import SamplingParams, sample, target_probs
 from specd.tree import TokenTree
 
 Outcome = tuple[int, int]  # (accepted length k, correction or bonus token c)
-
-
-@dataclass(kw_only=True, slots=True)
-class SpeculateRequest:
-    """Draft next blocks for likely outcomes of verifying ``block`` after ``context``."""
-
-    seq_id: int
-    context: list[int]  # committed tokens; ``block`` continues them
-    block: list[int]  # the block under verification (a prefix of one this drafter returned)
-    block_size: int  # size of the next blocks
-    budget: int  # how many outcomes (k, c) to draft for
-    params: SamplingParams
 
 
 @dataclass(kw_only=True, slots=True)
@@ -134,7 +122,7 @@ class D3DDrafter:
         return unseen
 
     # ---------------------------------------------------------------- the packed pass
-    @torch.inference_mode()
+    @torch.no_grad()
     def _run(self, known: dict[int, list[tuple[int, int]]], groups: list[MaskGroup]) -> tuple[DraftPass, Tensor]:
         """One pass: ``known[row]`` = (parent, token) nodes in order, plus mask groups.
 
@@ -161,11 +149,13 @@ class D3DDrafter:
         if params.greedy:
             tokens = dists[:block_size].argmax(-1)
             probs = None
-            confidence = dists[torch.arange(block_size), tokens]
+            accept = dists[torch.arange(block_size), tokens]
         else:
             probs = target_probs(logits[:block_size], params)  # q: what the tokens are sampled from
             tokens = sample(probs, seq.generator)
-            confidence = probs[torch.arange(block_size), tokens]
+            accept = probs[torch.arange(block_size), tokens]
+        # The drafter's belief that each position is accepted, all earlier ones included.
+        confidence = accept.cumprod(0)
         seq.returned.append((tokens.tolist(), dists))
         return DraftBlock(tokens=tokens.tolist(), probs=probs, confidence=confidence.tolist())
 
@@ -174,6 +164,7 @@ class D3DDrafter:
         seq.children = {(parent, token): i for i, (parent, token) in enumerate(nodes)}
 
     # ---------------------------------------------------------------- the Drafter protocol
+    @torch.no_grad()
     def draft(self, requests: list[DraftRequest]) -> list[DraftBlock]:
         """A fresh block after each request's committed context."""
         for request in requests:
@@ -192,6 +183,7 @@ class D3DDrafter:
             blocks.append(self._block(seq, logits[g, : request.block_size + 1], request.block_size, request.params))
         return blocks
 
+    @torch.no_grad()
     def speculate(self, requests: list[SpeculateRequest]) -> list[dict[Outcome, DraftBlock]]:
         """Next blocks for the likely outcomes of each request's block under verification."""
         for request in requests:

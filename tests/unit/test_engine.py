@@ -1,0 +1,156 @@
+"""The speculative engine is lossless: greedy output equals plain greedy output, token for token."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from specd.drafters.base import DraftBlock, DrafterUnavailable, DraftRequest
+from specd.drafters.d3d import D3DDrafter
+from specd.drafters.ngram import NgramDrafter
+from specd.engine import EngineConfig, SpeculativeEngine, autoregressive
+from specd.models.d3d import FLAVOURS as D3D_FLAVOURS, D3DModel
+from specd.models.qwen3 import FLAVOURS, Qwen3ForCausalLM
+from specd.sampling import SamplingParams
+
+VOCAB = FLAVOURS["debug"].vocab_size
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.manual_seed(3)
+    model = Qwen3ForCausalLM(FLAVOURS["debug"]).eval()
+    # Sharpen the random model so greedy text has structure the drafters can sometimes guess.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)
+    return model
+
+
+@pytest.fixture(scope="module")
+def drafter_model():
+    torch.manual_seed(4)
+    return D3DModel(D3D_FLAVOURS["debug"]).eval()
+
+
+def prompts(num: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(num)
+    return [torch.randint(7, VOCAB, (int(n),), generator=generator).tolist() for n in torch.randint(3, 20, (num,), generator=generator)]
+
+
+@pytest.mark.parametrize("num_seqs", [1, 8])
+@pytest.mark.parametrize("block_size", [1, 3, 7])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_greedy_d3d_equals_plain_greedy(target, drafter_model, num_seqs, block_size, mode):
+    batch = prompts(num_seqs)
+    params = SamplingParams(max_tokens=24)
+    expected = [g.token_ids for g in autoregressive(target, batch, params)]
+    drafter = D3DDrafter(drafter_model, max_num_seqs=num_seqs)
+    engine = SpeculativeEngine(target, drafter, EngineConfig(max_num_seqs=num_seqs, block_size=block_size, mode=mode))
+    got = [g.token_ids for g in engine.generate(batch, params)]
+    engine.close()
+    assert got == expected
+    assert engine.stats.num_target_passes < sum(len(e) for e in expected) + 1
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_greedy_ngram_equals_plain_greedy(target, block_size):
+    batch = prompts(8)
+    params = SamplingParams(max_tokens=32)
+    expected = [g.token_ids for g in autoregressive(target, batch, params)]
+    engine = SpeculativeEngine(target, NgramDrafter(vocab_size=VOCAB), EngineConfig(max_num_seqs=3, block_size=block_size, mode="sync"))
+    assert [g.token_ids for g in engine.generate(batch, params)] == expected
+
+
+def test_stop_tokens_end_like_plain_decoding(target, drafter_model):
+    batch = prompts(4)
+    plain = autoregressive(target, batch, SamplingParams(max_tokens=30))
+    stop = plain[0].token_ids[5]  # a token that certainly occurs
+    params = SamplingParams(max_tokens=30, stop_token_ids=(stop,))
+    expected = autoregressive(target, batch, params)
+    engine = SpeculativeEngine(target, D3DDrafter(drafter_model, max_num_seqs=2), EngineConfig(max_num_seqs=2, block_size=5))
+    got = engine.generate(batch, params)
+    assert [(g.token_ids, g.finish_reason) for g in got] == [(e.token_ids, e.finish_reason) for e in expected]
+
+
+class _OracleDrafter:
+    """Knows the target's greedy continuation; drafts it with an error every few tokens and
+    answers `speculate` with the true outcome's next block, except every third call (a miss)."""
+
+    name, max_block = "oracle", 8
+
+    def __init__(self, reference: list[int], vocab_size: int):
+        self.reference, self.vocab_size = reference, vocab_size
+        self.draft_calls = self.speculate_calls = 0
+
+    def _block(self, context, size):
+        block = self.reference[len(context) : len(context) + size]
+        if len(block) > 2:
+            block[2] = (block[2] + 1) % self.vocab_size  # wrong third token: k = 2 outcomes
+        return DraftBlock(tokens=block, probs=None, confidence=[0.9] * len(block))
+
+    def draft(self, requests):
+        self.draft_calls += 1
+        return [self._block(r.context, r.block_size) for r in requests]
+
+    def speculate(self, requests):
+        self.speculate_calls += 1
+        out = []
+        for r in requests:
+            k = 0
+            while k < len(r.block) and self.reference[len(r.context) + k] == r.block[k]:
+                k += 1
+            committed = r.context + r.block[:k] + [self.reference[len(r.context) + k]]
+            wrong = (k, (self.reference[len(r.context) + k] + 1) % self.vocab_size)
+            candidates = {wrong: self._block(committed, r.block_size)}
+            if self.speculate_calls % 3:
+                candidates[(k, committed[-1])] = self._block(committed, r.block_size)
+            out.append(candidates)
+        return out
+
+
+def test_hit_needs_no_new_draft_call(target):
+    (prompt,) = prompts(1)
+    params = SamplingParams(max_tokens=40)
+    (expected,) = autoregressive(target, [prompt], params)
+    drafter = _OracleDrafter(prompt + expected.token_ids + [0] * 64, VOCAB)
+    engine = SpeculativeEngine(target, drafter, EngineConfig(max_num_seqs=1, block_size=4, adaptive_block=False))
+    (got,) = engine.generate([prompt], params)
+    assert got.token_ids == expected.token_ids
+    stats = engine.stats
+    misses = stats.num_candidate_lookups - stats.num_candidate_hits
+    assert stats.num_candidate_hits > 0 and misses > 0
+    # One draft for the first block, then one per miss that still needs a block: hits cost none.
+    assert drafter.draft_calls in (1 + misses, misses)
+    assert stats.tau > 2.5  # the oracle's blocks are right up to the third token
+
+
+class _FailingDrafter:
+    name, vocab_size, max_block = "failing", VOCAB, 8
+
+    def draft(self, requests):
+        raise DrafterUnavailable("gone")
+
+
+def test_unreachable_drafter_falls_back_to_plain_decoding(target):
+    batch = prompts(3)
+    params = SamplingParams(max_tokens=16)
+    expected = [g.token_ids for g in autoregressive(target, batch, params)]
+    engine = SpeculativeEngine(target, _FailingDrafter(), EngineConfig(max_num_seqs=3, block_size=4))
+    assert [g.token_ids for g in engine.generate(batch, params)] == expected
+
+
+def test_bad_engine_input(target, drafter_model):
+    drafter = D3DDrafter(drafter_model, max_num_seqs=1)
+    with pytest.raises(ValueError, match="max_block"):
+        SpeculativeEngine(target, drafter, EngineConfig(block_size=64))
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        drafter.draft([DraftRequest(seq_id=0, context=[1], block_size=0, params=SamplingParams())])
+    other = D3DDrafter(D3DModel(dataclasses.replace(D3D_FLAVOURS["debug"], vocab_size=VOCAB + 1)))
+    with pytest.raises(ValueError, match="vocabulary"):
+        SpeculativeEngine(target, other, EngineConfig(block_size=4))
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=1.5)
