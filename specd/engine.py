@@ -269,6 +269,10 @@ class SpeculativeEngine:
         for i, (seq, block) in enumerate(zip(running, blocks)):
             result = self._accept(seq, block, probs[i])
             paths[seq.row] = list(range(len(seq.context) - seq.cached + result.num_accepted))
+            if getattr(self.drafter, "needs_target_hidden", False):
+                committed = len(paths[seq.row])
+                self.drafter.observe(seq.seq_id, (seq.context[seq.cached :] + block)[:committed],
+                                     self._last_hidden[seq.row, :committed])
             self._emit(seq, block[: result.num_accepted] + [result.next_token])
             self.stats.count_block(len(block), result.num_accepted)
             if seq.block is not None and block:
@@ -315,7 +319,7 @@ class SpeculativeEngine:
         return self.cost_model.choose_length(confidences, longest)
 
     def _speculate_async(self, running: list[_Sequence], blocks: list[list[int]]):
-        if self._pool is None or self.drafter is None or not hasattr(self.drafter, "speculate"):
+        if self._pool is None or self.drafter is None or not getattr(self.drafter, "can_speculate", False):
             return None
         requests = [
             SpeculateRequest(
@@ -347,7 +351,11 @@ class SpeculativeEngine:
             trees[seq.row] = TokenTree.chain(seq.context[seq.cached :] + block, seq.cached)
         batch = ForwardBatch.from_trees(trees, self.cache.lengths, self.device)
         self._last_batch = batch
-        logits = self.target(batch, self.cache)  # [max_num_seqs, max_new, vocab]
+        if getattr(self.drafter, "needs_target_hidden", False):
+            self._last_hidden = self.target.hidden_states(batch, self.cache)  # [rows, max_new, hidden]
+            logits = self.target.lm_head(self._last_hidden)
+        else:
+            logits = self.target(batch, self.cache)  # [max_num_seqs, max_new, vocab]
         out = []
         for seq, block in zip(running, blocks):
             first = len(seq.context) - seq.cached - 1  # the last committed token's column

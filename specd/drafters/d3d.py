@@ -61,12 +61,16 @@ class D3DDrafter:
     """Drafts blocks and candidate blocks with a `D3DModel` (see the module docstring)."""
 
     name = "d3d"
+    can_speculate = True  # needs no target state, so it can draft during verification
 
     def __init__(self, model: D3DModel, *, max_num_seqs: int = 16, device: str | torch.device = "cpu") -> None:
         self.model = model.to(device).eval()
         self.device = torch.device(device)
         self.vocab_size = model.config.vocab_size
-        self.max_block = model.config.block_size - 1  # one mask position guesses the bonus token
+        # Groups always have the trained size; a block uses its first positions, and the one
+        # after it guesses the bonus token, so the largest block is one less than a group.
+        self.group_size = model.config.block_size
+        self.max_block = self.group_size - 1
         self.max_num_seqs = max_num_seqs
         self.cache = model.new_cache(max_num_seqs)
         self.seqs: dict[int, _Seq] = {}
@@ -123,7 +127,12 @@ class D3DDrafter:
 
     # ---------------------------------------------------------------- the packed pass
     @torch.no_grad()
-    def _run(self, known: dict[int, list[tuple[int, int]]], groups: list[MaskGroup]) -> tuple[DraftPass, Tensor]:
+    def _run(
+        self,
+        known: dict[int, list[tuple[int, int]]],
+        groups: list[MaskGroup],
+        hidden: dict[int, Tensor] | None = None,  # row -> [num_known, target_hidden] (DFlash-style)
+    ) -> tuple[DraftPass, Tensor]:
         """One pass: ``known[row]`` = (parent, token) nodes in order, plus mask groups.
 
         Returns the pass and the fp32 logits ``[num_groups, max_group, vocab]`` of the masks.
@@ -138,7 +147,13 @@ class D3DDrafter:
                 torch.full((len(nodes),), start, dtype=torch.long),
             ))
         draft_pass = build_draft_pass(trees, groups, self.model.config.mask_token_id, self.cache.lengths, self.device)
-        logits = self.model(draft_pass.batch, self.cache)  # [rows, max_new, vocab]
+        target_hidden = None
+        if hidden is not None:
+            batch = draft_pass.batch
+            target_hidden = torch.zeros(batch.num_seqs, batch.max_new, self.model.config.target_hidden_size)
+            for row, states in hidden.items():
+                target_hidden[row, : states.shape[0]] = states
+        logits = self.model(draft_pass.batch, self.cache, target_hidden)  # [rows, max_new, vocab]
         self.num_passes += 1
         rows = torch.tensor([g.seq for g in groups], device=self.device)
         return draft_pass, logits[rows[:, None], draft_pass.mask_index.clamp(min=0)].float()
@@ -174,7 +189,7 @@ class D3DDrafter:
         known, groups = {}, []
         for seq, request, new in zip(seqs, requests, unseen):
             known[seq.row] = [(i - 1, t) for i, t in enumerate(new)]
-            groups.append(MaskGroup(seq=seq.row, node=len(new) - 1, size=request.block_size + 1))
+            groups.append(MaskGroup(seq=seq.row, node=len(new) - 1, size=self.group_size))
         draft_pass, logits = self._run(known, groups)
         blocks = []
         for g, (seq, request) in enumerate(zip(seqs, requests)):
@@ -206,7 +221,7 @@ class D3DDrafter:
             for k, c in outcomes:
                 nodes.append((block_nodes[k - 1] if k else end, c))
                 mine[(k, c)] = len(groups)
-                groups.append(MaskGroup(seq=seq.row, node=len(nodes) - 1, size=request.block_size + 1))
+                groups.append(MaskGroup(seq=seq.row, node=len(nodes) - 1, size=self.group_size))
             known[seq.row] = nodes
             outcome_groups.append(mine)
         draft_pass, logits = self._run(known, groups)

@@ -78,7 +78,7 @@ class _OracleDrafter:
     """Knows the target's greedy continuation; drafts it with an error every few tokens and
     answers `speculate` with the true outcome's next block, except every third call (a miss)."""
 
-    name, max_block = "oracle", 8
+    name, max_block, can_speculate = "oracle", 8, True
 
     def __init__(self, reference: list[int], vocab_size: int):
         self.reference, self.vocab_size = reference, vocab_size
@@ -154,3 +154,17 @@ def test_bad_engine_input(target, drafter_model):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=1.5)
+
+
+def test_greedy_dflash_style_equals_plain_greedy(target):
+    from specd.drafters.dflash import DFlashDrafter
+
+    torch.manual_seed(5)
+    config = dataclasses.replace(D3D_FLAVOURS["debug"], target_hidden_size=FLAVOURS["debug"].hidden_size)
+    drafter = DFlashDrafter(D3DModel(config).eval(), max_num_seqs=4)
+    batch = prompts(6)
+    params = SamplingParams(max_tokens=20)
+    expected = [g.token_ids for g in autoregressive(target, batch, params)]
+    engine = SpeculativeEngine(target, drafter, EngineConfig(max_num_seqs=4, block_size=5, mode="sync"))
+    assert [g.token_ids for g in engine.generate(batch, params)] == expected
+    assert engine.stats.num_draft_tokens > 0
