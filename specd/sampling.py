@@ -1,17 +1,48 @@
-"""Sampling parameters and the target distribution they define.
+"""Sampling parameters, the target distribution they define, and the lossless rejection sampler.
 
 `SamplingParams` follows vLLM's names. ``temperature == 0`` means greedy. Otherwise the
 distribution a request samples from is: logits / temperature, then top-k, then top-p (nucleus)
 filtering, renormalised. Each request owns a `torch.Generator` seeded from its ``seed`` so its
 output does not depend on what else is in the batch.
+
+Speculative verification (Leviathan et al. 2023, "Fast Inference from Transformers via
+Speculative Decoding", arXiv 2211.17192; Chen et al. 2023, arXiv 2302.01318). A drafter proposes
+a *block* of B tokens x_1..x_B, x_i drawn from q_i (a deterministic drafter has q_i one-hot at
+x_i). One target pass over the block gives p_1..p_{B+1} (p_i: the target's distribution for
+position i, already shaped by `target_probs`). The words, used the same way everywhere:
+
+- **accepted** tokens: drafted tokens the target keeps. x_i is accepted with probability
+  min(1, p_i(x_i) / q_i(x_i)); verification stops at the first rejection, so the accepted tokens
+  are x_1..x_k, 0 <= k <= B (k is the *accepted length*).
+- **correction** token: when k < B, one token sampled at the first rejected position from the
+  residual max(p_{k+1} - q_{k+1}, 0) / Z (vLLM calls it "recovered").
+- **bonus** token: when k = B, one token sampled from p_{B+1}.
+
+Every target pass therefore commits τ = k + 1 tokens, and the committed tokens have exactly the
+target's distribution. In code rows are 0-based: row i of ``target_probs`` scores draft token i,
+row B is the bonus row.
+
+Randomness is spent only where an outcome is uncertain, each sequence from its own generator:
+
+- a block draws its B coins in one call, ``torch.rand(B)``, iff some position is uncertain
+  (0 < p(x) < q(x)); p(x) >= q(x) accepts and p(x) = 0 rejects without a coin;
+- a token is sampled (``torch.multinomial``) only from a distribution with more than one
+  nonzero entry; a one-hot one gives its token without a draw.
+
+So greedy (one-hot p, from `target_probs` with temperature 0) consumes no randomness and is
+exactly "accept while the drafted token is the argmax; the correction or bonus is the argmax",
+whatever q the drafter sent.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import Tensor
+
+from specd.tree import TokenTree
 
 
 @dataclass(kw_only=True, slots=True)
@@ -79,3 +110,244 @@ def target_probs(logits: Tensor, params: SamplingParams) -> Tensor:
 def sample(probs: Tensor, generator: torch.Generator) -> Tensor:
     """One token per row of ``[num_rows, vocab]`` probabilities -> ``[num_rows]``."""
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+# ---------------------------------------------------------------------------- verification
+@dataclass(kw_only=True, slots=True)
+class VerifyResult:
+    """The outcome of verifying one block (the words are defined in the module docstring)."""
+
+    num_draft_tokens: int
+    """B: how many tokens were drafted."""
+    num_accepted: int
+    """k: how many of them the target accepted (0..B)."""
+    accepted_tokens: list[int]
+    """The k accepted tokens (the block's first k)."""
+    next_token: int
+    """The correction token when k < B, the bonus token when k = B."""
+
+    @property
+    def is_bonus(self) -> bool:
+        return self.num_accepted == self.num_draft_tokens
+
+    @property
+    def output_tokens(self) -> list[int]:
+        """The τ = k + 1 tokens this pass commits."""
+        return [*self.accepted_tokens, self.next_token]
+
+
+def _check_verify_inputs(
+    draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Tensor, num_seqs: int
+) -> None:
+    num_draft_tokens = draft_tokens.shape[0]
+    if draft_tokens.dim() != 1:
+        raise ValueError(f"draft_tokens must be 1-D [num_draft_tokens], got {tuple(draft_tokens.shape)}")
+    if target_probs.dim() != 2 or target_probs.shape[0] != num_draft_tokens + num_seqs:
+        raise ValueError(
+            f"target_probs must be [num_draft_tokens + num_seqs, vocab] = [{num_draft_tokens + num_seqs}, V] "
+            f"(one row per drafted token plus the bonus row of each sequence), got {tuple(target_probs.shape)}"
+        )
+    if draft_probs is not None and draft_probs.shape != (num_draft_tokens, target_probs.shape[1]):
+        raise ValueError(
+            f"draft_probs must be [num_draft_tokens, vocab] = [{num_draft_tokens}, {target_probs.shape[1]}] "
+            f"or None (deterministic draft), got {tuple(draft_probs.shape)}"
+        )
+
+
+def _sample_one(probs: Tensor, generator: torch.Generator) -> int:
+    """One token from ``[vocab]`` unnormalised probabilities; no draw when only one is possible."""
+    support = (probs > 0).nonzero()
+    if support.shape[0] == 1:
+        return int(support[0, 0])
+    if support.shape[0] == 0:
+        raise ValueError("cannot sample from a distribution with no mass (all probabilities are 0)")
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def verify_block(
+    draft_tokens: Tensor,  # [B] int64
+    draft_probs: Tensor | None,  # [B, vocab] fp32; None = deterministic draft (q one-hot at the token)
+    target_probs: Tensor,  # [B + 1, vocab] fp32, from `target_probs` with the request's params
+    generator: torch.Generator,
+) -> VerifyResult:
+    """Verify one drafted block by speculative (rejection) sampling: the reference form.
+
+    `verify_batch` does the same for many sequences at once and gives identical results.
+    """
+    _check_verify_inputs(draft_tokens, draft_probs, target_probs, num_seqs=1)
+    num_draft_tokens = draft_tokens.shape[0]
+    rows = torch.arange(num_draft_tokens, device=target_probs.device)
+    p_x = target_probs[rows, draft_tokens]  # [B]
+    q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs[rows, draft_tokens]  # [B]
+    uncertain = (p_x > 0) & (p_x < q_x)
+    if bool(uncertain.any()):
+        coins = torch.rand(num_draft_tokens, generator=generator, device=target_probs.device)
+    else:
+        coins = torch.zeros_like(p_x)
+    # Accept iff u < p/q, written without the division: q(x) = 0 (a token the drafter could not
+    # have drawn) accepts whenever p(x) > 0, and p(x) = 0 never accepts.
+    accepted = (p_x > 0) & (coins * q_x < p_x)  # [B]
+    rejected = (~accepted).nonzero()
+    num_accepted = int(rejected[0, 0]) if rejected.shape[0] else num_draft_tokens
+
+    if num_accepted < num_draft_tokens:
+        # Correction: the residual max(p - q, 0) holds exactly the mass that acceptance
+        # under-delivered, so accepted-or-corrected tokens are distributed as p.
+        if draft_probs is None:
+            probs = target_probs[num_accepted].clone()
+            probs[draft_tokens[num_accepted]] = 0.0  # max(p - onehot(x), 0)
+        else:
+            probs = (target_probs[num_accepted] - draft_probs[num_accepted]).clamp_(min=0.0)
+        if not bool(probs.sum() > 0):
+            # Only when the drafter sent a token its own q gives 0 and p == q: fall back to p.
+            probs = target_probs[num_accepted]
+    else:
+        probs = target_probs[num_draft_tokens]  # bonus
+    next_token = _sample_one(probs, generator)
+    accepted_tokens = draft_tokens[:num_accepted].tolist()
+    return VerifyResult(
+        num_draft_tokens=num_draft_tokens,
+        num_accepted=num_accepted,
+        accepted_tokens=accepted_tokens,
+        next_token=next_token,
+    )
+
+
+def verify_batch(
+    draft_tokens: Tensor,  # [num_draft_tokens] int64: every sequence's block, back to back
+    cu_num_draft_tokens: Tensor,  # [num_seqs + 1] int64: sequence j's block is [cu[j], cu[j + 1])
+    draft_probs: Tensor | None,  # [num_draft_tokens, vocab] fp32; None = every draft deterministic
+    target_probs: Tensor,  # [num_draft_tokens + num_seqs, vocab]: sequence j's B_j + 1 rows start at cu[j] + j
+    generators: Sequence[torch.Generator],  # [num_seqs]: each request's own generator
+) -> list[VerifyResult]:
+    """`verify_block` over a ragged batch, vectorised except for the per-request draws.
+
+    Blocks may have any length, 0 included (plain decoding: the bonus row alone). A batch that
+    mixes deterministic and stochastic drafters passes one-hot rows of q for the deterministic
+    ones: that gives the same results as None. Each sequence draws from its own generator
+    exactly what `verify_block` would draw, so its output does not depend on the batch.
+    """
+    num_seqs = cu_num_draft_tokens.shape[0] - 1
+    if num_seqs < 0 or cu_num_draft_tokens.dim() != 1:
+        raise ValueError("cu_num_draft_tokens must be 1-D [num_seqs + 1] and start with 0")
+    if len(generators) != num_seqs:
+        raise ValueError(f"need one generator per sequence: {num_seqs} sequences, {len(generators)} generators")
+    _check_verify_inputs(draft_tokens, draft_probs, target_probs, num_seqs=num_seqs)
+    cu = cu_num_draft_tokens.to(torch.long).cpu()
+    num_draft_tokens = cu[1:] - cu[:-1]  # [num_seqs]
+    if int(cu[0]) != 0 or int(cu[-1]) != draft_tokens.shape[0] or bool((num_draft_tokens < 0).any()):
+        raise ValueError(
+            f"cu_num_draft_tokens must rise from 0 to num_draft_tokens={draft_tokens.shape[0]}, got {cu.tolist()}"
+        )
+    device = target_probs.device
+    total = draft_tokens.shape[0]
+    seq_index = torch.arange(num_seqs)
+    seq_of_token = torch.repeat_interleave(seq_index, num_draft_tokens)  # [num_draft_tokens]
+    token_index = torch.arange(total)
+    target_row = (token_index + seq_of_token).to(device)  # [num_draft_tokens]: p row of each drafted token
+
+    p_x = target_probs[target_row, draft_tokens]  # [num_draft_tokens]
+    q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs[token_index.to(device), draft_tokens]
+    uncertain = ((p_x > 0) & (p_x < q_x)).cpu()
+    needs_coins = torch.zeros(num_seqs, dtype=torch.long).index_add_(0, seq_of_token, uncertain.long()) > 0
+    coins = torch.zeros(total, device=device)
+    cu_list = cu.tolist()
+    for j in needs_coins.nonzero().flatten().tolist():
+        start, end = cu_list[j], cu_list[j + 1]
+        coins[start:end] = torch.rand(end - start, generator=generators[j], device=device)
+    accepted = ((p_x > 0) & (coins * q_x < p_x)).cpu()  # [num_draft_tokens]
+
+    # k_j = position of sequence j's first rejection, B_j when there is none.
+    position = token_index - cu[:-1][seq_of_token]
+    first_rejected = torch.where(accepted, num_draft_tokens[seq_of_token], position)
+    num_accepted = num_draft_tokens.clone().scatter_reduce_(0, seq_of_token, first_rejected, reduce="amin")
+
+    next_row = cu[:-1] + seq_index + num_accepted  # [num_seqs]: p row of the correction / bonus
+    probs = target_probs[next_row.to(device)]  # [num_seqs, vocab] (a copy)
+    correction = (num_accepted < num_draft_tokens).nonzero().flatten()
+    if correction.numel():
+        rejected_token = (cu[:-1] + num_accepted)[correction].to(device)  # flat index of the rejected draft
+        corrected = correction.to(device)
+        if draft_probs is None:
+            probs[corrected, draft_tokens[rejected_token]] = 0.0
+        else:
+            probs[corrected] = (probs[corrected] - draft_probs[rejected_token]).clamp_(min=0.0)
+        empty = (probs.sum(-1) == 0).nonzero().flatten()
+        probs[empty] = target_probs[next_row.to(device)[empty]]  # see verify_block
+
+    tokens = draft_tokens.tolist()
+    results = []
+    for j, k in enumerate(num_accepted.tolist()):
+        results.append(
+            VerifyResult(
+                num_draft_tokens=cu_list[j + 1] - cu_list[j],
+                num_accepted=k,
+                accepted_tokens=tokens[cu_list[j] : cu_list[j] + k],
+                next_token=_sample_one(probs[j], generators[j]),
+            )
+        )
+    return results
+
+
+def verify_tree(
+    tree: TokenTree,
+    draft_probs: Tensor | None,  # [num_nodes, vocab] fp32 (q of each node's token); None = deterministic
+    target_probs: Tensor,  # [num_nodes + 1, vocab]: row 0 at the root, row 1 + i after node i
+    generator: torch.Generator,
+) -> tuple[list[int], int]:
+    """Verify a tree of drafted candidates -> (accepted node path, correction-or-bonus token).
+
+    A chain is one block: it goes to `verify_block` and gives exactly its result (stochastic or
+    deterministic). Otherwise candidates must be deterministic (draft_probs None), and at each
+    position (the root first) the children are tried in node order with p' = p:
+    child x is accepted with probability p'(x) / Z; on rejection p'(x) = 0. If every child is
+    rejected, the correction is sampled from the final p'; otherwise descend into the accepted
+    child (p' = its target row) and repeat; an accepted leaf is followed by a bonus from its row.
+
+    Why it is lossless: at one position, the emitted token is child x_1 with probability p(x_1),
+    x_2 with probability (1 - p(x_1)) · p(x_2) / (1 - p(x_1)) = p(x_2), and so on, and any other
+    token y with probability (1 - Σ p(x_i)) · p(y) / (1 - Σ p(x_i)) = p(y): exactly p, whatever
+    the candidates are (it is `verify_block`'s rule with a one-hot q, applied to p' in turn).
+    Descending into the accepted child conditions on that token, so by induction over depth the
+    committed tokens have the target's joint distribution. Greedy (one-hot p) follows the argmax
+    child without drawing; the correction or bonus is the argmax.
+
+    Stochastic siblings would need each sibling drawn independently from q (SpecInfer's
+    multi-step rule), which merging shared prefixes breaks, so they are refused.
+    """
+    num_nodes = tree.num_nodes
+    if target_probs.dim() != 2 or target_probs.shape[0] != num_nodes + 1:
+        raise ValueError(
+            f"target_probs must be [num_nodes + 1, vocab] = [{num_nodes + 1}, V], got {tuple(target_probs.shape)}"
+        )
+    if num_nodes and bool((tree.anchors != tree.anchors[0]).any()):
+        raise ValueError("a verification tree continues one context: every node must share one anchor")
+    if tree.is_chain():
+        result = verify_block(tree.tokens.to(target_probs.device), draft_probs, target_probs, generator)
+        return list(range(result.num_accepted)), result.next_token
+    if draft_probs is not None:
+        raise ValueError(
+            "a stochastic draft (draft_probs given) must be a chain: sibling candidates must be "
+            "deterministic (draft_probs=None)"
+        )
+
+    children: list[list[int]] = [[] for _ in range(num_nodes + 1)]  # slot 0 = root, node i = slot i + 1
+    for node, parent in enumerate(tree.parents.tolist()):
+        children[parent + 1].append(node)
+    tokens = tree.tokens.tolist()
+    path: list[int] = []
+    slot = 0
+    while True:
+        residual = target_probs[slot].clone()  # p'
+        for child in children[slot]:
+            p_x = float(residual[tokens[child]])
+            if p_x <= 0:
+                continue  # impossible under p' (also a repeated sibling): rejected without a coin
+            mass = float(residual.sum())
+            if p_x >= mass or float(torch.rand((), generator=generator, device=target_probs.device)) * mass < p_x:
+                break
+            residual[tokens[child]] = 0.0
+        else:
+            return path, _sample_one(residual, generator)  # correction (bonus when slot is a leaf)
+        path.append(child)
+        slot = child + 1

@@ -1,0 +1,362 @@
+"""The rejection sampler is lossless: greedy is the argmax rule, sampled output has the target's
+distribution (and a deliberately broken sampler is caught by the same check), the batched form
+equals the per-sequence form, and trees of candidates are lossless too."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specd.drafters.base import check_block_size
+from specd.sampling import (
+    SamplingParams,
+    VerifyResult,
+    target_probs,
+    verify_batch,
+    verify_block,
+    verify_tree,
+)
+from specd.tree import TokenTree
+
+VOCAB = 8
+BLOCK = 3
+NUM_SAMPLES = 20_000
+SAMPLED = {
+    "t1": SamplingParams(temperature=1.0),
+    "t0.7-p0.9": SamplingParams(temperature=0.7, top_p=0.9),
+}
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def random_probs(num_rows: int, vocab: int, params: SamplingParams, gen: torch.Generator) -> torch.Tensor:
+    return target_probs(torch.randn(num_rows, vocab, generator=gen) * 2, params)
+
+
+# ---------------------------------------------------------------------------- greedy
+@settings(max_examples=150, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    vocab=st.integers(2, 12),
+    num_draft=st.integers(0, 6),
+    stochastic_draft=st.booleans(),
+    hit_rate=st.floats(0, 1),
+)
+def test_greedy_is_the_argmax_rule(seed, vocab, num_draft, stochastic_draft, hit_rate):
+    gen = generator(seed)
+    p = random_probs(num_draft + 1, vocab, SamplingParams(temperature=0), gen)  # one-hot rows
+    argmax = p.argmax(-1).tolist()
+    # Drafts agree with the argmax some of the time; q is a full distribution (with zeros) or None.
+    draft = [
+        a if torch.rand((), generator=gen) < hit_rate else int(torch.randint(vocab, (), generator=gen))
+        for a in argmax[:num_draft]
+    ]
+    q = None
+    if stochastic_draft:
+        q = torch.randn(num_draft, vocab, generator=gen).softmax(-1)
+        q = q * (torch.rand(num_draft, vocab, generator=gen) > 0.3)  # some exact zeros
+        q = q / q.sum(-1, keepdim=True).clamp(min=1e-12)
+    expected_k = next((i for i, (d, a) in enumerate(zip(draft, argmax)) if d != a), num_draft)
+
+    sampler = generator(seed + 1)
+    state = sampler.get_state()
+    result = verify_block(torch.tensor(draft, dtype=torch.long), q, p, sampler)
+    assert result.num_accepted == expected_k
+    assert result.accepted_tokens == draft[:expected_k]
+    assert result.next_token == argmax[expected_k]
+    assert torch.equal(sampler.get_state(), state), "greedy verification consumed randomness"
+
+    # A tree of distinct candidates under greedy: follow the argmax child, then the argmax.
+    tree = TokenTree.from_paths([(0, draft), (0, [(t + 1) % vocab for t in draft]), (0, [0, 1, 0])])
+    rows = random_probs(tree.num_nodes + 1, vocab, SamplingParams(temperature=0), gen)
+    expected_path, slot, parents, tokens = [], 0, tree.parents.tolist(), tree.tokens.tolist()
+    while True:
+        best = int(rows[slot].argmax())
+        match = [n for n in range(tree.num_nodes) if parents[n] == slot - 1 and tokens[n] == best]
+        if not match:
+            break
+        expected_path.append(match[0])
+        slot = match[0] + 1
+    assert verify_tree(tree, None, rows, sampler) == (expected_path, best)
+    assert torch.equal(sampler.get_state(), state), "greedy tree verification consumed randomness"
+
+
+# ---------------------------------------------------------------------------- distribution check
+def chi_square_check(samples: list, probs: dict, alpha: float = 1e-3) -> tuple[bool, str]:
+    """Does ``samples`` look drawn from ``probs`` (outcome -> probability)?
+
+    Passes iff Pearson's statistic is below the level that exact sampling from ``probs`` exceeds
+    with probability alpha (chi-square p-value, from torch's regularised gamma function), and no
+    outcome with probability 0 occurred. Cells expecting < 5 samples are pooled.
+    """
+    num = len(samples)
+    counts = Counter(samples)
+    impossible = [o for o in counts if probs.get(o, 0.0) == 0.0]
+    if impossible:
+        return False, f"outcomes with target probability 0 were emitted: {impossible[:5]}"
+    observed, expected, pooled_obs, pooled_exp = [], [], 0.0, 0.0
+    for outcome, prob in probs.items():
+        if prob == 0:
+            continue
+        if prob * num < 5:
+            pooled_obs += counts.get(outcome, 0)
+            pooled_exp += prob * num
+        else:
+            observed.append(counts.get(outcome, 0))
+            expected.append(prob * num)
+    if pooled_exp > 0:
+        observed.append(pooled_obs)
+        expected.append(pooled_exp)
+    observed_t, expected_t = torch.tensor(observed, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64)
+    statistic = float(((observed_t - expected_t) ** 2 / expected_t).sum())
+    dof = len(observed) - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(statistic / 2)))
+    tv = 0.5 * sum(abs(counts.get(o, 0) / num - p) for o, p in probs.items())
+    return p_value >= alpha, f"chi2={statistic:.1f} dof={dof} p={p_value:.2e} TV={tv:.4f}"
+
+
+class MarkovTarget:
+    """A target whose next-token distribution depends on the last token (state 0 starts),
+    and a drafter whose q is a noisy version of it (full support, even where p is 0)."""
+
+    def __init__(self, params: SamplingParams, seed: int) -> None:
+        gen = generator(seed)
+        logits = torch.randn(VOCAB, VOCAB, generator=gen) * 1.5
+        self.p = target_probs(logits, params)  # [state, vocab]
+        self.q = (logits + torch.randn(VOCAB, VOCAB, generator=gen)).softmax(-1)
+        self.accepted_lengths: Counter[int] = Counter()
+
+    def first_two_probs(self) -> tuple[dict, dict]:
+        first = {a: float(self.p[0, a]) for a in range(VOCAB)}
+        pairs = {(a, b): float(self.p[0, a] * self.p[a, b]) for a in range(VOCAB) for b in range(VOCAB)}
+        return first, pairs
+
+    def direct(self, gen: torch.Generator) -> tuple[int, int]:
+        a = int(torch.multinomial(self.p[0], 1, generator=gen))
+        return a, int(torch.multinomial(self.p[a], 1, generator=gen))
+
+    def speculative(self, verify, gen: torch.Generator) -> tuple[int, int]:
+        """Draft blocks of BLOCK from q and verify them until two tokens are committed."""
+        emitted, state = [], 0
+        while len(emitted) < 2:
+            draft, prev = [], state
+            for _ in range(BLOCK):
+                prev = int(torch.multinomial(self.q[prev], 1, generator=gen))
+                draft.append(prev)
+            states = torch.tensor([state, *draft])
+            result = verify(torch.tensor(draft), self.q[states[:-1]], self.p[states], gen)
+            self.accepted_lengths[result.num_accepted] += 1
+            emitted += result.output_tokens
+            state = emitted[-1]
+        return emitted[0], emitted[1]
+
+
+def stopped_at(draft_tokens, k: int, probs: torch.Tensor, gen: torch.Generator) -> VerifyResult:
+    token = int(torch.multinomial(probs, 1, generator=gen))
+    return VerifyResult(
+        num_draft_tokens=len(draft_tokens), num_accepted=k, accepted_tokens=draft_tokens[:k].tolist(), next_token=token
+    )
+
+
+def broken_correction_from_p(draft_tokens, draft_probs, target_probs, gen) -> VerifyResult:
+    """Wrong on purpose: the correction is sampled from p, not from the residual max(p - q, 0)."""
+    for i, x in enumerate(draft_tokens.tolist()):
+        if not float(torch.rand((), generator=gen)) * float(draft_probs[i, x]) < float(target_probs[i, x]):
+            return stopped_at(draft_tokens, i, target_probs[i], gen)
+    return stopped_at(draft_tokens, len(draft_tokens), target_probs[-1], gen)
+
+
+def broken_accept_q_over_p(draft_tokens, draft_probs, target_probs, gen) -> VerifyResult:
+    """Wrong on purpose: accepts with min(1, q/p) instead of min(1, p/q)."""
+    for i, x in enumerate(draft_tokens.tolist()):
+        if not float(torch.rand((), generator=gen)) * float(target_probs[i, x]) < float(draft_probs[i, x]):
+            return stopped_at(draft_tokens, i, (target_probs[i] - draft_probs[i]).clamp(min=0), gen)
+    return stopped_at(draft_tokens, len(draft_tokens), target_probs[-1], gen)
+
+
+def check_first_two(samples: list[tuple[int, int]], target: MarkovTarget) -> tuple[bool, str]:
+    first, pairs = target.first_two_probs()
+    ok_first, msg_first = chi_square_check([s[0] for s in samples], first)
+    ok_pairs, msg_pairs = chi_square_check(samples, pairs)
+    return ok_first and ok_pairs, f"first token: {msg_first}; first two: {msg_pairs}"
+
+
+@pytest.mark.parametrize("name", list(SAMPLED))
+def test_speculative_sampling_matches_the_target(name):
+    target = MarkovTarget(SAMPLED[name], seed=7)
+    gen = generator(11)
+    # The control: direct sampling with the same number of samples passes the same check.
+    direct_ok, direct_msg = check_first_two([target.direct(gen) for _ in range(NUM_SAMPLES)], target)
+    ok, msg = check_first_two([target.speculative(verify_block, gen) for _ in range(NUM_SAMPLES)], target)
+    k_counts = sorted(target.accepted_lengths.items())
+    print(f"\n{name}: direct     {direct_msg}\n{name}: speculative {msg}, k: {k_counts}")
+    assert direct_ok, direct_msg
+    assert ok, msg
+    assert all(target.accepted_lengths[k] > 500 for k in range(BLOCK + 1)), "every accepted length 0..B must be exercised"
+
+
+@pytest.mark.parametrize("broken", [broken_correction_from_p, broken_accept_q_over_p])
+def test_the_check_rejects_a_broken_sampler(broken):
+    target = MarkovTarget(SAMPLED["t1"], seed=7)
+    gen = generator(11)
+    ok, msg = check_first_two([target.speculative(broken, gen) for _ in range(NUM_SAMPLES)], target)
+    print(f"\n{broken.__name__}: {msg}")
+    assert not ok, f"a broken sampler passed the distribution check: {msg}"
+
+
+# ---------------------------------------------------------------------------- trees
+def broken_tree_keeps_rejected(tree, draft_probs, target_probs, gen):
+    """Wrong on purpose: the correction is sampled from p, rejected candidates not removed."""
+    children = [[] for _ in range(tree.num_nodes + 1)]
+    for node, parent in enumerate(tree.parents.tolist()):
+        children[parent + 1].append(node)
+    path, slot = [], 0
+    while True:
+        residual = target_probs[slot].clone()
+        for child in children[slot]:
+            x = int(tree.tokens[child])
+            if float(torch.rand((), generator=gen)) * float(residual.sum()) < float(residual[x]):
+                break
+            residual[x] = 0
+        else:
+            return path, int(torch.multinomial(target_probs[slot], 1, generator=gen))
+        path.append(child)
+        slot = child + 1
+
+
+class TreeTarget(MarkovTarget):
+    """Three distinct candidates at the root, two under each (fixed per state)."""
+
+    def __init__(self, params: SamplingParams, seed: int) -> None:
+        super().__init__(params, seed)
+        gen = generator(seed + 1)
+        order = torch.stack([torch.randperm(VOCAB, generator=gen) for _ in range(VOCAB)]).tolist()
+        self.trees = []
+        for state in range(VOCAB):
+            paths = [(0, [a, b]) for a in order[state][:3] for b in order[a][:2]]
+            tree = TokenTree.from_paths(paths)
+            rows = self.p[torch.tensor([state, *tree.tokens.tolist()])]  # row 0 at the root, 1 + i after node i
+            self.trees.append((tree, rows))
+
+    def speculative(self, verify, gen: torch.Generator) -> tuple[int, int]:
+        emitted, state = [], 0
+        while len(emitted) < 2:
+            tree, rows = self.trees[state]
+            path, token = verify(tree, None, rows, gen)
+            emitted += [int(tree.tokens[n]) for n in path] + [token]
+            state = emitted[-1]
+        return emitted[0], emitted[1]
+
+
+@pytest.mark.parametrize("name", list(SAMPLED))
+def test_tree_verification_matches_the_target(name):
+    target = TreeTarget(SAMPLED[name], seed=3)
+    gen = generator(5)
+    ok, msg = check_first_two([target.speculative(verify_tree, gen) for _ in range(NUM_SAMPLES)], target)
+    print(f"\n{name}: tree {msg}")
+    assert ok, msg
+
+
+def test_the_check_rejects_a_broken_tree_verifier():
+    target = TreeTarget(SAMPLED["t1"], seed=3)
+    gen = generator(5)
+    ok, msg = check_first_two([target.speculative(broken_tree_keeps_rejected, gen) for _ in range(NUM_SAMPLES)], target)
+    print(f"\nbroken tree: {msg}")
+    assert not ok, f"a broken tree verifier passed the distribution check: {msg}"
+
+
+def test_a_stochastic_chain_tree_is_verify_block():
+    gen = generator(0)
+    for seed in range(20):
+        p = random_probs(5, VOCAB, SAMPLED["t1"], gen)
+        q = torch.randn(4, VOCAB, generator=gen).softmax(-1)
+        draft = torch.multinomial(q, 1, generator=gen).squeeze(-1)
+        block = verify_block(draft, q, p, generator(seed))
+        path, token = verify_tree(TokenTree.chain(draft, anchor=3), q, p, generator(seed))
+        assert (path, token) == (list(range(block.num_accepted)), block.next_token)
+
+
+def test_stochastic_siblings_are_refused():
+    tree = TokenTree.from_paths([(0, [1, 2]), (0, [3])])
+    with pytest.raises(ValueError, match="must be a chain"):
+        verify_tree(tree, torch.full((3, VOCAB), 1 / VOCAB), torch.full((4, VOCAB), 1 / VOCAB), generator(0))
+
+
+# ---------------------------------------------------------------------------- batching
+def test_batched_equals_per_sequence_with_per_request_seeds():
+    gen = generator(123)
+    vocab, num_seqs = 16, 9
+    lengths = [3, 0, 5, 1, 4, 2, 0, 6, 3]
+    params = [SamplingParams(temperature=0.0 if j % 4 == 0 else 0.8, top_p=0.9, seed=1000 + j) for j in range(num_seqs)]
+    seqs = []
+    for length, sp in zip(lengths, params):
+        p = random_probs(length + 1, vocab, sp, gen)
+        q = torch.randn(length, vocab, generator=gen).softmax(-1)
+        # Drafts drawn from q, but often the target's likely token, so k varies over 0..B.
+        draft = torch.empty(0, dtype=torch.long)
+        if length:
+            sampled = torch.multinomial(q, 1, generator=gen).squeeze(-1)
+            draft = torch.where(torch.rand(length, generator=gen) < 0.85, p[:length].argmax(-1), sampled)
+        seqs.append((draft, q, p))
+
+    def batched(order: list[int], stochastic: bool) -> dict[int, VerifyResult]:
+        cu = torch.tensor([0, *torch.tensor([lengths[j] for j in order]).cumsum(0).tolist()])
+        results = verify_batch(
+            torch.cat([seqs[j][0] for j in order]),
+            cu,
+            torch.cat([seqs[j][1] for j in order]) if stochastic else None,
+            torch.cat([seqs[j][2] for j in order]),
+            [params[j].generator() for j in order],
+        )
+        return dict(zip(order, results))
+
+    for stochastic in (True, False):
+        alone = {
+            j: verify_block(draft, q if stochastic else None, p, params[j].generator())
+            for j, (draft, q, p) in enumerate(seqs)
+        }
+        together = batched(list(range(num_seqs)), stochastic)
+        assert together == alone
+        # A sequence's output does not depend on its neighbours or its place in the batch.
+        assert batched([7, 2, 5], stochastic) == {j: alone[j] for j in (7, 2, 5)}
+        assert len({r.num_accepted for r in alone.values()}) > 2, "the test should see several accepted lengths"
+        assert {r.is_bonus for r in alone.values() if r.num_draft_tokens} == {True, False}
+
+    # One-hot q rows give what None gives (how a mixed batch passes its deterministic drafts).
+    draft, _, p = seqs[2]
+    one_hot = torch.nn.functional.one_hot(draft, vocab).float()
+    assert verify_block(draft, one_hot, p, generator(9)) == verify_block(draft, None, p, generator(9))
+
+
+# ---------------------------------------------------------------------------- bad input
+def test_bad_params_raise_clear_errors():
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        SamplingParams(temperature=-0.5)
+    for top_p in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+            SamplingParams(top_p=top_p)
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        check_block_size(0, 8)
+    with pytest.raises(ValueError, match="above this drafter's max_block 8"):
+        check_block_size(9, 8)
+    check_block_size(8, 8)
+
+
+def test_bad_shapes_raise_clear_errors():
+    p = torch.full((4, VOCAB), 1 / VOCAB)
+    with pytest.raises(ValueError, match="target_probs must be"):
+        verify_block(torch.tensor([1, 2, 3]), None, p[:3], generator(0))
+    with pytest.raises(ValueError, match="draft_probs must be"):
+        verify_block(torch.tensor([1, 2, 3]), p[:2], p, generator(0))
+    with pytest.raises(ValueError, match="one generator per sequence"):
+        verify_batch(torch.tensor([1, 2, 3]), torch.tensor([0, 3]), None, p, [])
+    with pytest.raises(ValueError, match="cu_num_draft_tokens must rise"):
+        verify_batch(torch.tensor([1, 2, 3]), torch.tensor([0, 2]), None, p, [generator(0)])
+    with pytest.raises(ValueError, match="share one anchor"):
+        verify_tree(TokenTree.from_paths([(0, [1]), (1, [2])]), None, p[:3], generator(0))
