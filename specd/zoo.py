@@ -40,9 +40,20 @@ from specd.data import (
     train_tokenizer,
     write_heldout_jsonl,
 )
-from specd.data.tokenizer import ENDOFTEXT, IM_END
-from specd.models import qwen3
+from specd.data.tokenizer import ENDOFTEXT, IM_END, MASK, PAD
+from specd.models import d3d, qwen3
+from specd.models.d3d import D3DConfig, D3DModel
 from specd.models.loading import load_model, save_model
+from specd.train.drafter import (
+    DrafterTrainConfig,
+    generate_responses,
+    init_from_target,
+    read_sequences,
+    save_drafter,
+    train_drafter,
+    training_prompts,
+    write_sequences,
+)
 from specd.train.pretrain import PretrainConfig, pretrain
 
 ZOO_VERSION = 1  # bump when corpus generation or the recipes' meaning change
@@ -64,6 +75,10 @@ class ZooModel:
 MODELS: tuple[ZooModel, ...] = (
     ZooModel(name="qwen3-tiny", kind="target", architecture="qwen3",
              description="full-attention target (Qwen3, GQA), trained on the four domains"),
+    ZooModel(name="d3d-qwen3-tiny", kind="drafter", architecture="specd_d3d",
+             description="D3D block-diffusion drafter for qwen3-tiny (no target hidden states)"),
+    ZooModel(name="dflash-qwen3-tiny", kind="drafter", architecture="specd_d3d",
+             description="DFlash-style baseline drafter for qwen3-tiny (reads target hidden states)"),
 )
 
 
@@ -179,6 +194,50 @@ def _build_target(name: str, config: qwen3.Qwen3Config, training: PretrainConfig
     return Step(name=name, recipe={"config": asdict(config), "training": asdict(training)}, run=run)
 
 
+RESPONSES = {"per_domain": 160, "max_tokens": 96, "seed": 0}
+DRAFTER_TRAINING = DrafterTrainConfig()
+
+
+def _build_responses(target: str) -> Step:
+    """The target's own responses to training prompts: the drafters' training data."""
+
+    def run(out: Path) -> None:
+        model = load_model(model_path(target))
+        documents = {d: train_documents(d) for d in DOMAINS}
+        prompts = training_prompts(documents, load_tokenizer(tokenizer_dir()), RESPONSES["per_domain"], RESPONSES["seed"])
+        sequences = generate_responses(model, prompts, RESPONSES["max_tokens"])
+        write_sequences(out / "sequences.jsonl", sequences, [len(p) for p in prompts])
+
+    return Step(name=f"responses-{target}", recipe={"target": target, **RESPONSES}, run=run)
+
+
+def _build_drafter(name: str, target: str, config: D3DConfig, training: DrafterTrainConfig) -> Step:
+    def run(out: Path) -> None:
+        torch.manual_seed(training.seed)
+        target_model = load_model(model_path(target))
+        model = D3DModel(config)
+        init_from_target(model, target_model)
+        sequences, prompt_lens = read_sequences(zoo_dir() / f"responses-{target}" / "sequences.jsonl")
+        stats = train_drafter(model, sequences, prompt_lens, training, out / "work",
+                              target=target_model, pad_id=SPECIAL_TOKENS.index(PAD), description=name)
+        shutil.rmtree(out / "work", ignore_errors=True)
+        save_drafter(model, out, stats)
+        for file in tokenizer_dir().iterdir():
+            shutil.copy(file, out / file.name)
+
+    recipe = {"target": target, "config": asdict(config), "training": asdict(training), "responses": RESPONSES}
+    return Step(name=name, recipe=recipe, run=run)
+
+
+def drafter_config(target_config, *, reads_target: bool) -> D3DConfig:
+    """The zoo drafter for a target: D3D tiny, or the DFlash-style variant of the same size."""
+    hidden = target_config.hidden_size if reads_target else 0
+    return D3DConfig(
+        **{**asdict(d3d.FLAVOURS["tiny"]), "vocab_size": VOCAB_SIZE,
+           "mask_token_id": SPECIAL_TOKENS.index(MASK), "target_hidden_size": hidden}
+    )
+
+
 def steps() -> list[Step]:
     data = Step(name="data", recipe={"vocab_size": VOCAB_SIZE, "domains": list(DOMAINS)}, run=_build_data)
     # Generation stops at the end of a chat turn or of a document.
@@ -186,7 +245,13 @@ def steps() -> list[Step]:
     target_config = qwen3.Qwen3Config(
         **{**asdict(qwen3.FLAVOURS["tiny"]), "vocab_size": VOCAB_SIZE, "eos_token_id": stop_ids}
     )
-    return [data, _build_target("qwen3-tiny", target_config, TARGET_TRAINING)]
+    return [
+        data,
+        _build_target("qwen3-tiny", target_config, TARGET_TRAINING),
+        _build_responses("qwen3-tiny"),
+        _build_drafter("d3d-qwen3-tiny", "qwen3-tiny", drafter_config(target_config, reads_target=False), DRAFTER_TRAINING),
+        _build_drafter("dflash-qwen3-tiny", "qwen3-tiny", drafter_config(target_config, reads_target=True), DRAFTER_TRAINING),
+    ]
 
 
 @contextmanager

@@ -60,6 +60,8 @@ class DrafterTrainConfig:
     """Seed for initialisation, anchors and batches."""
     bf16: bool = True
     """bf16 autocast."""
+    compile: bool = True
+    """torch.compile the loss computation."""
     checkpoint_every: int = 100
     """Steps between resumable checkpoints."""
 
@@ -211,6 +213,7 @@ def train_drafter(
         torch.set_rng_state(state["torch_rng"])
         first_step = state["step"]
     schedule = PretrainConfig(steps=config.steps, lr=config.lr, warmup_steps=config.warmup_steps)
+    loss_fn = torch.compile(drafter_loss) if config.compile else drafter_loss
     model.train()
     start, smoothed = time.perf_counter(), float("nan")
     bar = tqdm(range(first_step, config.steps), desc=description, unit="step", initial=first_step, total=config.steps)
@@ -222,7 +225,7 @@ def train_drafter(
         target_hidden = None
         if lead:
             target_hidden = _target_hidden(target, tokens, batch.input_ids.shape[1])
-        loss, denoise = drafter_loss(model, batch, targets, tokens, lengths, config, group_size, lead, target_hidden)
+        loss, denoise = loss_fn(model, batch, targets, tokens, lengths, config, group_size, lead, target_hidden)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -252,3 +255,40 @@ def _target_hidden(target: nn.Module, tokens: Tensor, total: int) -> Tensor:
 def save_drafter(model: D3DModel, out: Path, stats: dict) -> None:
     save_model(model, out)
     (out / "training.json").write_text(json.dumps(stats, indent=2) + "\n")
+
+
+def init_from_target(drafter: D3DModel, target: nn.Module) -> bool:
+    """Start the drafter from the target's embedding, first layers, norm and head, where shapes allow.
+
+    A common warm start for drafters (the drafter learns the target's vocabulary geometry for
+    free); both the D3D drafter and the DFlash-style baseline get it, so the comparison stays fair.
+    Returns whether it applied (a Qwen3-style target with the drafter's widths).
+    """
+    inner = getattr(target, "model", None)
+    layers = getattr(inner, "layers", None)
+    if inner is None or layers is None or not isinstance(layers[0], type(drafter.layers[0])):
+        return False
+    source = {
+        "embed_tokens": inner.embed_tokens, "norm": inner.norm,
+        "lm_head": target.lm_head, "ar_head": target.lm_head,
+        **{f"layers.{i}": layers[i] for i in range(min(len(layers), len(drafter.layers)))},
+    }
+    own = dict(drafter.named_modules())
+    if any(dict(own[name].named_parameters()).keys() != dict(module.named_parameters()).keys()
+           or any(p.shape != q.shape for p, q in zip(own[name].parameters(), module.parameters()))
+           for name, module in source.items()):
+        return False
+    with torch.no_grad():
+        for name, module in source.items():
+            for mine, theirs in zip(own[name].parameters(), module.parameters()):
+                mine.copy_(theirs)
+    return True
+
+
+def read_sequences(path: Path) -> tuple[list[list[int]], list[int]]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r["ids"] for r in rows], [r["prompt_len"] for r in rows]
+
+
+def write_sequences(path: Path, sequences: list[list[int]], prompt_lens: list[int]) -> None:
+    path.write_text("".join(json.dumps({"prompt_len": n, "ids": s}) + "\n" for s, n in zip(sequences, prompt_lens)))
