@@ -3,7 +3,10 @@
     specd zoo build                    build the tiny zoo (cached; a second call takes seconds)
     specd zoo list [--json]            the zoo's models: name, kind, path, built
     specd zoo path NAME                a built zoo model's directory (for scripts)
-    specd generate --model DIR ...     plain autoregressive generation (the baseline)
+    specd generate --model DIR ...     generation: plain, or speculative with --drafter DIR|ngram
+    specd train drafter ...            offline D3D / DFlash-style drafter training
+    specd prune --drafter DIR          acceptance-aware layer pruning of a D3D drafter
+    specd bench decode [--quick]       speculative vs plain decoding, same run: table, JSON, plots
 
 Errors a user can cause (a missing directory, an unsupported architecture, ids outside the
 vocabulary, an empty prompt) print one line saying what was wrong and exit with status 2.
@@ -21,10 +24,28 @@ import torch
 from tokenizers import Tokenizer
 
 from specd import zoo
+from specd.bench.decode import METHODS, DecodeSettings
+from specd.bench.decode import main as bench_decode_main
 from specd.data import format_chat
-from specd.engine import autoregressive, check_prompt
-from specd.models.loading import ModelLoadError, load_model
+from specd.data import DOMAINS, load_tokenizer
+from specd.drafters.d3d import D3DDrafter
+from specd.drafters.dflash import DFlashDrafter
+from specd.drafters.ngram import NgramDrafter
+from specd.engine import EngineConfig, SpeculativeEngine, check_prompt
+from specd.models.d3d import D3DModel
+from specd.models.loading import ModelLoadError, load_model, save_model
 from specd.sampling import SamplingParams
+from specd.train.prune import prune
+from specd.train.drafter import (
+    DrafterTrainConfig,
+    generate_responses,
+    init_from_target,
+    read_sequences,
+    save_drafter,
+    train_drafter,
+    training_prompts,
+    write_sequences,
+)
 
 
 class UsageError(ValueError):
@@ -59,9 +80,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k, seed=args.seed,
         stop_token_ids=() if args.ignore_eos else model.config.stop_token_ids,
     )
+    drafter = make_drafter(args.drafter, model, target_dir=model_dir)
     start = time.perf_counter()
-    (generation,) = autoregressive(model, [prompt], params)
+    if drafter is None and args.drafter == "none":
+        engine = SpeculativeEngine(model, None, EngineConfig(max_num_seqs=1, block_size=0))
+    else:
+        mode = args.mode or ("async" if getattr(drafter, "can_speculate", False) else "sync")
+        engine = SpeculativeEngine(model, drafter, EngineConfig(max_num_seqs=1, block_size=args.block_size, mode=mode))
+    (generation,) = engine.generate([prompt], params)
+    engine.close()
     seconds = time.perf_counter() - start
+    stats = engine.stats
     text = tokenizer.decode(generation.token_ids, skip_special_tokens=False) if tokenizer else None
     result = {
         "token_ids": generation.token_ids,
@@ -70,6 +99,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "num_prompt_tokens": len(prompt),
         "seconds": round(seconds, 4),
         "tokens_per_second": round(len(generation.token_ids) / seconds, 2),
+        "drafter": args.drafter,
+        "tau": round(stats.tau, 4),
+        "num_target_passes": stats.num_target_passes,
+        "hit_rate": round(stats.hit_rate, 4),
     }
     if args.json:
         print(json.dumps(result))
@@ -77,9 +110,88 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(text if text is not None else " ".join(map(str, generation.token_ids)))
         print(
             f"\n[{len(generation.token_ids)} tokens in {seconds:.2f} s: "
-            f"{result['tokens_per_second']:.1f} tokens/s, finish={generation.finish_reason}]",
+            f"{result['tokens_per_second']:.1f} tokens/s, finish={generation.finish_reason}, "
+            f"drafter={args.drafter}, tau={stats.tau:.2f}, passes={stats.num_target_passes}, "
+            f"hit rate={stats.hit_rate:.2f}]",
             file=sys.stderr,
         )
+    return 0
+
+
+def make_drafter(spec: str, target, *, target_dir: Path | None = None, max_num_seqs: int = 1):
+    """``none`` | ``ngram`` | a drafter directory -> a drafter for ``target`` (or None)."""
+    if spec == "none":
+        return None
+    if spec == "ngram":
+        return NgramDrafter(vocab_size=target.config.vocab_size)
+    model = load_model(spec)
+    if not isinstance(model, D3DModel):
+        raise UsageError(f"{spec} is not a drafter (model_type {model.config.model_type!r}); use a D3D drafter directory, 'ngram' or 'none'")
+    if model.config.vocab_size != target.config.vocab_size:
+        raise UsageError(
+            f"the drafter's vocabulary ({model.config.vocab_size}) differs from the target's "
+            f"({target.config.vocab_size}): they must share one tokenizer"
+        )
+    kind = DFlashDrafter if model.config.target_hidden_size else D3DDrafter
+    return kind(model, max_num_seqs=max_num_seqs)
+
+
+def cmd_train_drafter(args: argparse.Namespace) -> int:
+    target_dir, out = Path(args.target), Path(args.out)
+    target = load_model(target_dir)
+    tokenizer = _load_tokenizer(target_dir)
+    if tokenizer is None:
+        raise UsageError(f"{target_dir} has no tokenizer.json: the drafter's prompts are text")
+    responses = out / "responses.jsonl"
+    out.mkdir(parents=True, exist_ok=True)
+    if responses.is_file():
+        sequences, prompt_lens = read_sequences(responses)
+        print(f"reusing {len(sequences)} cached target responses from {responses}")
+    else:
+        documents = {d: zoo.train_documents(d) for d in DOMAINS}
+        prompts = training_prompts(documents, tokenizer, args.prompts_per_domain, seed=0)
+        sequences = generate_responses(target, prompts, args.response_tokens)
+        prompt_lens = [len(p) for p in prompts]
+        write_sequences(responses, sequences, prompt_lens)
+    config = zoo.drafter_config(target.config, reads_target=args.kind == "dflash")
+    model = D3DModel(config)
+    init_from_target(model, target)
+    training = DrafterTrainConfig(steps=args.steps)
+    stats = train_drafter(model, sequences, prompt_lens, training, out / "work", target=target, description=args.kind)
+    save_drafter(model, out, stats)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        if (target_dir / file).is_file():
+            (out / file).write_bytes((target_dir / file).read_bytes())
+    print(f"saved {args.kind} drafter to {out} (denoising loss {stats['denoise_loss']:.3f})")
+    return 0
+
+
+def cmd_bench_decode(args: argparse.Namespace) -> int:
+    settings = DecodeSettings.quick() if args.quick else DecodeSettings()
+    if args.methods:
+        settings.methods = tuple(args.methods.split(","))
+    bench_decode_main(settings, Path(args.out), Path(args.json) if args.json else None)
+    return 0
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    target = load_model(args.target or zoo.ensure("qwen3-tiny"))
+    drafter = load_model(args.drafter)
+    if not isinstance(drafter, D3DModel) or drafter.config.target_hidden_size:
+        raise UsageError(f"{args.drafter} is not a D3D drafter")
+    tokenizer = load_tokenizer(zoo.tokenizer_dir())
+    prompts = [tokenizer.encode(item.prompt).ids[-160:] for items in zoo.heldout().values() for item in items[: args.prompts_per_domain]]
+    pruned, baseline, steps = prune(target, drafter, prompts, tolerance=args.tolerance, block_size=args.block_size)
+    print(f"unpruned: {drafter.config.num_hidden_layers} layers, tau {baseline:.3f}")
+    print(f"{'removed':>7} {'kept layers':<20} {'tau':>6} {'ratio':>6}  kept?")
+    for step in steps:
+        print(f"{step.removed:>7} {str(step.kept_layers):<20} {step.tau:>6.3f} {step.tau / baseline:>6.3f}  {'yes' if step.accepted else 'no'}")
+    out = Path(args.out or f"{args.drafter.rstrip('/')}-pruned")
+    save_model(pruned, out)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        if (Path(args.drafter) / file).is_file():
+            (out / file).write_bytes((Path(args.drafter) / file).read_bytes())
+    print(f"saved {pruned.config.num_hidden_layers}-layer drafter to {out}")
     return 0
 
 
@@ -129,8 +241,39 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end tokens")
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: the checkpoint's")
+    gen.add_argument("--drafter", default="none", help="a drafter directory, 'ngram' (prompt lookup) or 'none' (plain)")
+    gen.add_argument("--block-size", type=int, default=8, help="most drafted tokens verified per pass")
+    gen.add_argument("--mode", choices=["async", "sync"], default=None,
+                     help="draft during verification (default for D3D) or after it")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(func=cmd_generate)
+
+    train = commands.add_parser("train", help="train drafters").add_subparsers(dest="train_command", required=True)
+    drafter = train.add_parser("drafter", help="offline D3D (or DFlash-style) drafter training on the target's own responses")
+    drafter.add_argument("--target", required=True, help="target model directory (with tokenizer.json)")
+    drafter.add_argument("--out", required=True, help="output directory (resumable: checkpoints under OUT/work)")
+    drafter.add_argument("--kind", choices=["d3d", "dflash"], default="d3d")
+    drafter.add_argument("--steps", type=int, default=DrafterTrainConfig().steps)
+    drafter.add_argument("--prompts-per-domain", type=int, default=160)
+    drafter.add_argument("--response-tokens", type=int, default=96)
+    drafter.set_defaults(func=cmd_train_drafter)
+
+    pruner = commands.add_parser("prune", help="acceptance-aware layer pruning of a D3D drafter")
+    pruner.add_argument("--drafter", required=True, help="D3D drafter directory")
+    pruner.add_argument("--target", default=None, help="target directory (default: the zoo's qwen3-tiny)")
+    pruner.add_argument("--out", default=None, help="output directory (default DRAFTER-pruned)")
+    pruner.add_argument("--tolerance", type=float, default=0.99, help="keep a removal while tau >= this x unpruned tau")
+    pruner.add_argument("--block-size", type=int, default=8)
+    pruner.add_argument("--prompts-per-domain", type=int, default=4)
+    pruner.set_defaults(func=cmd_prune)
+
+    bench = commands.add_parser("bench", help="benchmarks (tables, JSON and PNG plots)").add_subparsers(dest="bench_command", required=True)
+    decode = bench.add_parser("decode", help="speculative vs plain decoding on the zoo, same run")
+    decode.add_argument("--quick", action="store_true", help="batch 1, block 8, fewer prompts (minutes)")
+    decode.add_argument("--methods", help=f"comma-separated subset of {','.join(METHODS)}")
+    decode.add_argument("--out", default="out/bench", help="directory for plots and JSON")
+    decode.add_argument("--json", help="JSON path (default OUT/decode.json)")
+    decode.set_defaults(func=cmd_bench_decode)
 
     zoo_cmd = commands.add_parser("zoo", help="the tiny model zoo").add_subparsers(dest="zoo_command", required=True)
     zoo_cmd.add_parser("build", help="build missing or stale zoo models").set_defaults(func=cmd_zoo_build)

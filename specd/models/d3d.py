@@ -57,8 +57,8 @@ class D3DConfig:
     """RMSNorm epsilon."""
     rope_theta: float = 10000.0
     """RoPE base."""
-    block_size: int = 16
-    """Largest block (mask group) the drafter was trained for."""
+    block_size: int = 17
+    """Masks per group, as trained: blocks of up to block_size - 1 tokens plus one bonus guess."""
     mask_token_id: int = 3
     """The ``<|mask|>`` id of the shared tokenizer."""
     target_hidden_size: int = 0

@@ -1,0 +1,270 @@
+"""`specd bench decode`: speculative decoding against plain decoding, side by side, in one run.
+
+On the zoo's held-out prompts of each domain, at temperature 0 and 1, every method runs through
+the same `SpeculativeEngine` code path:
+
+- ``ar``         plain autoregressive decoding (the engine with no drafter): the baseline;
+- ``ngram``      prompt-lookup drafting (what a drafter gets from the target repeating itself);
+- ``dflash``     the DFlash-style drafter that reads target hidden states (sync: it must wait);
+- ``d3d-sync``   the D3D drafter drafting after each verification;
+- ``d3d-async``  the D3D drafter drafting the next block's candidates *during* verification.
+
+Reported per (method, domain, temperature, batch, block): τ (tokens per target pass per
+sequence), acceptance per position, candidate hit rate, tokens/s, speedup over ``ar`` at the
+same domain/temperature/batch (measured in this run — the machine is shared and noisy, so only
+same-run ratios mean anything), and the engine's own overhead per step (time outside target
+passes and blocking drafter calls). Output: a table, JSON, and PNG plots.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from matplotlib.figure import Figure  # object API: no pyplot state, no display backend
+from tqdm import tqdm
+
+from specd import zoo
+from specd.data import DOMAINS, load_tokenizer
+from specd.drafters.d3d import D3DDrafter
+from specd.drafters.dflash import DFlashDrafter
+from specd.drafters.ngram import NgramDrafter
+from specd.engine import EngineConfig, SpeculativeEngine
+from specd.models.loading import load_model
+from specd.sampling import SamplingParams
+
+METHODS = ("ar", "ngram", "dflash", "d3d-sync", "d3d-async")
+
+
+@dataclass(kw_only=True, slots=True)
+class DecodeSettings:
+    target: str = "qwen3-tiny"
+    prompts_per_domain: int = 8
+    max_tokens: int = 96
+    max_prompt_tokens: int = 192
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    batch_sizes: tuple[int, ...] = (1, 4, 16)
+    block_sizes: tuple[int, ...] = (4, 8, 16)
+    methods: tuple[str, ...] = METHODS
+    domains: tuple[str, ...] = DOMAINS
+
+    @staticmethod
+    def quick() -> "DecodeSettings":
+        return DecodeSettings(prompts_per_domain=4, max_tokens=64, batch_sizes=(1,), block_sizes=(8,))
+
+
+@dataclass(kw_only=True, slots=True)
+class DecodeRow:
+    method: str
+    domain: str
+    temperature: float
+    batch: int
+    block: int
+    tau: float
+    acceptance_per_pos: list[float]
+    hit_rate: float
+    tokens: int
+    seconds: float
+    tokens_per_second: float
+    overhead_ms_per_step: float
+    target_passes: int
+    speedup: float = field(default=1.0)
+
+
+class _Models:
+    """Loads each model once for the whole run."""
+
+    def __init__(self, target: str) -> None:
+        self.target = load_model(zoo.ensure(target))
+        self.d3d = load_model(zoo.ensure(f"d3d-{target}"))
+        self.dflash = load_model(zoo.ensure(f"dflash-{target}"))
+
+    def drafter(self, method: str, batch: int):
+        if method == "ar":
+            return None
+        if method == "ngram":
+            return NgramDrafter(vocab_size=self.target.config.vocab_size)
+        if method == "dflash":
+            return DFlashDrafter(self.dflash, max_num_seqs=batch)
+        return D3DDrafter(self.d3d, max_num_seqs=batch)
+
+
+def domain_prompts(settings: DecodeSettings) -> dict[str, list[list[int]]]:
+    tokenizer = load_tokenizer(zoo.tokenizer_dir())
+    prompts = {}
+    for domain, items in zoo.heldout().items():
+        if domain in settings.domains:
+            encoded = [tokenizer.encode(item.prompt).ids[-settings.max_prompt_tokens :] for item in items]
+            prompts[domain] = encoded[: settings.prompts_per_domain]
+    return prompts
+
+
+def run_case(models: _Models, method: str, prompts: list[list[int]], *, temperature: float, batch: int,
+             block: int, max_tokens: int) -> DecodeRow:
+    drafter = models.drafter(method, batch)
+    mode = "async" if method == "d3d-async" else "sync"
+    config = EngineConfig(max_num_seqs=batch, block_size=0 if method == "ar" else block, mode=mode)
+    engine = SpeculativeEngine(models.target, drafter, config)
+    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i) for i in range(len(prompts))]
+    start = time.perf_counter()
+    generations = engine.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    engine.close()
+    stats = engine.stats
+    tokens = sum(len(g.token_ids) for g in generations)
+    return DecodeRow(
+        method=method, domain="", temperature=temperature, batch=batch, block=block if method != "ar" else 0,
+        tau=stats.tau, acceptance_per_pos=stats.acceptance_per_pos, hit_rate=stats.hit_rate, tokens=tokens,
+        seconds=seconds, tokens_per_second=tokens / seconds, overhead_ms_per_step=1000 * stats.overhead_per_step,
+        target_passes=stats.num_target_passes,
+    )
+
+
+def bench_decode(settings: DecodeSettings) -> list[DecodeRow]:
+    torch.manual_seed(0)
+    models = _Models(settings.target)
+    prompts = domain_prompts(settings)
+    # Warm up every code path once (allocations, first-call overheads).
+    for method in settings.methods:
+        run_case(models, method, prompts[settings.domains[0]][:1], temperature=0.0, batch=1,
+                 block=min(settings.block_sizes), max_tokens=16)
+    cases = [
+        (domain, temperature, batch, block, method)
+        for domain in settings.domains
+        for temperature in settings.temperatures
+        for batch in settings.batch_sizes
+        for block in settings.block_sizes
+        for method in settings.methods
+        if not (method == "ar" and block != settings.block_sizes[0])
+    ]
+    rows = []
+    for domain, temperature, batch, block, method in tqdm(cases, desc="bench decode", unit="case"):
+        # Repeat prompts so every batch size sees at least two full batches of work.
+        work = (prompts[domain] * (2 * batch // len(prompts[domain]) + 1))[: max(len(prompts[domain]), 2 * batch)]
+        row = run_case(models, method, work, temperature=temperature, batch=batch, block=block,
+                       max_tokens=settings.max_tokens)
+        row.domain = domain
+        rows.append(row)
+    baseline = {(r.domain, r.temperature, r.batch): r.tokens_per_second for r in rows if r.method == "ar"}
+    for row in rows:
+        row.speedup = row.tokens_per_second / baseline[(row.domain, row.temperature, row.batch)]
+    return rows
+
+
+def summary(rows: list[DecodeRow], *, batch: int, block: int, temperature: float) -> dict[str, dict[str, float]]:
+    """Per method, averaged over domains: tau, speedup, tokens/s, hit rate."""
+    out = {}
+    for method in METHODS:
+        chosen = [r for r in rows if r.method == method and r.batch == batch and r.temperature == temperature
+                  and (r.block == block or method == "ar")]
+        if chosen:
+            mean = lambda key: sum(getattr(r, key) for r in chosen) / len(chosen)  # noqa: E731
+            out[method] = {k: mean(k) for k in ("tau", "speedup", "tokens_per_second", "hit_rate", "overhead_ms_per_step")}
+    return out
+
+
+def format_table(rows: list[DecodeRow]) -> str:
+    head = f"{'method':<10} {'domain':<9} {'T':>3} {'batch':>5} {'block':>5} {'tau':>6} {'hit':>5} {'tok/s':>8} {'speedup':>8} {'ovh ms':>7}  acceptance/pos"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        acceptance = " ".join(f"{a:.2f}" for a in r.acceptance_per_pos[:8])
+        lines.append(
+            f"{r.method:<10} {r.domain:<9} {r.temperature:>3.1f} {r.batch:>5} {r.block:>5} {r.tau:>6.2f} {r.hit_rate:>5.2f} "
+            f"{r.tokens_per_second:>8.1f} {r.speedup:>7.2f}x {r.overhead_ms_per_step:>7.2f}  {acceptance}"
+        )
+    return "\n".join(lines)
+
+
+def format_summary(rows: list[DecodeRow], settings: DecodeSettings) -> str:
+    batch, block = settings.batch_sizes[0], 8 if 8 in settings.block_sizes else settings.block_sizes[0]
+    lines = []
+    for temperature in settings.temperatures:
+        lines.append(f"\nmean over domains, batch {batch}, block {block}, temperature {temperature}:")
+        lines.append(f"{'method':<10} {'tau':>6} {'speedup':>8} {'tok/s':>8} {'hit':>5} {'ovh ms':>7}")
+        for method, s in summary(rows, batch=batch, block=block, temperature=temperature).items():
+            lines.append(f"{method:<10} {s['tau']:>6.2f} {s['speedup']:>7.2f}x {s['tokens_per_second']:>8.1f} "
+                         f"{s['hit_rate']:>5.2f} {s['overhead_ms_per_step']:>7.2f}")
+        goals = summary(rows, batch=batch, block=block, temperature=temperature)
+        if {"d3d-async", "dflash"} <= goals.keys():
+            d3d, dflash = goals["d3d-async"], goals["dflash"]
+            lines.append(
+                f"goals: D3D tau / DFlash tau = {d3d['tau'] / dflash['tau']:.3f} (>= 0.95); "
+                f"async D3D / AR = {d3d['speedup']:.2f}x (>= 2.5); "
+                f"async D3D / DFlash tok/s = {d3d['tokens_per_second'] / dflash['tokens_per_second']:.2f}x (>= 1.2)"
+            )
+    return "\n".join(lines)
+
+
+def plot(rows: list[DecodeRow], settings: DecodeSettings, out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    batch, block = settings.batch_sizes[0], 8 if 8 in settings.block_sizes else settings.block_sizes[0]
+    paths = []
+    # tau per domain, per method (batch 1, temperature 0).
+    fig = Figure(figsize=(8, 4))
+    ax = fig.subplots()
+    methods = [m for m in settings.methods if m != "ar"]
+    width = 0.8 / max(len(methods), 1)
+    for i, method in enumerate(methods):
+        taus = [next((r.tau for r in rows if r.method == method and r.domain == d and r.batch == batch
+                      and r.block == block and r.temperature == 0.0), 0.0) for d in settings.domains]
+        ax.bar([j + i * width for j in range(len(settings.domains))], taus, width, label=method)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(settings.domains))], settings.domains)
+    ax.set_ylabel("tau (tokens / target pass)")
+    ax.set_title(f"tau per domain (batch {batch}, block {block}, T=0)")
+    ax.legend()
+    paths.append(_save(fig, out_dir / "tau_per_domain.png"))
+    # Acceptance per position.
+    fig = Figure(figsize=(8, 4))
+    ax = fig.subplots()
+    for method in methods:
+        chosen = [r.acceptance_per_pos for r in rows if r.method == method and r.batch == batch and r.block == block and r.temperature == 0.0]
+        if chosen:
+            length = min(len(c) for c in chosen)
+            ax.plot(range(1, length + 1), [sum(c[i] for c in chosen) / len(chosen) for i in range(length)], marker="o", label=method)
+    ax.set_xlabel("block position")
+    ax.set_ylabel("P(accepted)")
+    ax.set_title(f"acceptance per position (batch {batch}, block {block}, T=0)")
+    ax.legend()
+    paths.append(_save(fig, out_dir / "acceptance_per_position.png"))
+    # Speedup vs batch.
+    fig = Figure(figsize=(8, 4))
+    ax = fig.subplots()
+    for method in methods:
+        points = []
+        for b in settings.batch_sizes:
+            chosen = [r.speedup for r in rows if r.method == method and r.batch == b and r.block == block and r.temperature == 0.0]
+            if chosen:
+                points.append((b, sum(chosen) / len(chosen)))
+        if points:
+            ax.plot(*zip(*points), marker="o", label=method)
+    ax.axhline(1.0, color="grey", linestyle="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("speedup over AR (same run)")
+    ax.set_title(f"speedup vs batch (block {block}, T=0)")
+    ax.legend()
+    paths.append(_save(fig, out_dir / "speedup_vs_batch.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main(settings: DecodeSettings, out_dir: Path, json_path: Path | None) -> list[DecodeRow]:
+    rows = bench_decode(settings)
+    print(format_table(rows))
+    print(format_summary(rows, settings))
+    payload = {"settings": asdict(settings), "rows": [asdict(r) for r in rows]}
+    json_path = json_path or out_dir / "decode.json"
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(payload, indent=2) + "\n")
+    for path in plot(rows, settings, out_dir):
+        print(f"wrote {path}")
+    print(f"wrote {json_path}")
+    return rows
