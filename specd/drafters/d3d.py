@@ -67,10 +67,9 @@ class D3DDrafter:
         self.model = model.to(device).eval()
         self.device = torch.device(device)
         self.vocab_size = model.config.vocab_size
-        # Groups always have the trained size; a block uses its first positions, and the one
-        # after it guesses the bonus token, so the largest block is one less than a group.
-        self.group_size = model.config.block_size
-        self.max_block = self.group_size - 1
+        # Groups have a trained size (`D3DConfig.group_size_for`); a block uses its first
+        # positions and the one after it guesses the bonus token.
+        self.max_block = max(model.config.group_sizes) - 1
         self.max_num_seqs = max_num_seqs
         self.cache = model.new_cache(max_num_seqs)
         self.seqs: dict[int, _Seq] = {}
@@ -153,10 +152,12 @@ class D3DDrafter:
             target_hidden = torch.zeros(batch.num_seqs, batch.max_new, self.model.config.target_hidden_size)
             for row, states in hidden.items():
                 target_hidden[row, : states.shape[0]] = states
-        logits = self.model(draft_pass.batch, self.cache, target_hidden)  # [rows, max_new, vocab]
+        hidden_states = self.model.hidden_states(draft_pass.batch, self.cache, target_hidden)
         self.num_passes += 1
         rows = torch.tensor([g.seq for g in groups], device=self.device)
-        return draft_pass, logits[rows[:, None], draft_pass.mask_index.clamp(min=0)].float()
+        # The head runs on mask positions only: known nodes need no logits.
+        masks = hidden_states[rows[:, None], draft_pass.mask_index.clamp(min=0)]  # [groups, max_group, hidden]
+        return draft_pass, self.model.lm_head(masks).float()
 
     def _block(self, seq: _Seq, logits: Tensor, block_size: int, params: SamplingParams) -> DraftBlock:
         """A block from one group's logits ``[block_size + 1, vocab]`` (the last guesses the bonus)."""
@@ -189,7 +190,7 @@ class D3DDrafter:
         known, groups = {}, []
         for seq, request, new in zip(seqs, requests, unseen):
             known[seq.row] = [(i - 1, t) for i, t in enumerate(new)]
-            groups.append(MaskGroup(seq=seq.row, node=len(new) - 1, size=self.group_size))
+            groups.append(MaskGroup(seq=seq.row, node=len(new) - 1, size=self.model.config.group_size_for(request.block_size)))
         draft_pass, logits = self._run(known, groups)
         blocks = []
         for g, (seq, request) in enumerate(zip(seqs, requests)):
@@ -221,7 +222,7 @@ class D3DDrafter:
             for k, c in outcomes:
                 nodes.append((block_nodes[k - 1] if k else end, c))
                 mine[(k, c)] = len(groups)
-                groups.append(MaskGroup(seq=seq.row, node=len(nodes) - 1, size=self.group_size))
+                groups.append(MaskGroup(seq=seq.row, node=len(nodes) - 1, size=self.model.config.group_size_for(request.block_size)))
             known[seq.row] = nodes
             outcome_groups.append(mine)
         draft_pass, logits = self._run(known, groups)

@@ -57,7 +57,7 @@ class DFlashDrafter(D3DDrafter):
             nodes = [(i - 1, t) for i, t in enumerate(tokens)] + [(len(tokens) - 1, context[-1])]
             known[seq.row] = nodes
             hidden[seq.row] = torch.cat(states) if states else torch.zeros(0, self.model.config.target_hidden_size)
-            groups.append(MaskGroup(seq=seq.row, node=len(nodes) - 1, size=self.group_size))
+            groups.append(MaskGroup(seq=seq.row, node=len(nodes) - 1, size=self.model.config.group_size_for(request.block_size)))
             plans.append((seq, tokens, len(groups) - 1))
         if not groups:
             return [DraftBlock.empty() for _ in requests]

@@ -58,7 +58,9 @@ class D3DConfig:
     rope_theta: float = 10000.0
     """RoPE base."""
     block_size: int = 17
-    """Masks per group, as trained: blocks of up to block_size - 1 tokens plus one bonus guess."""
+    """Largest mask group: blocks of up to block_size - 1 tokens plus one bonus guess."""
+    group_sizes: tuple[int, ...] = (5, 9, 17)
+    """Mask-group sizes trained (and used at inference: the smallest that fits block + 1)."""
     mask_token_id: int = 3
     """The ``<|mask|>`` id of the shared tokenizer."""
     target_hidden_size: int = 0
@@ -71,7 +73,10 @@ class D3DConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "D3DConfig":
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in hf.items() if k in known})
+        values = {k: v for k, v in hf.items() if k in known}
+        if "group_sizes" in values:
+            values["group_sizes"] = tuple(values["group_sizes"])
+        return cls(**values)
 
     def to_hf(self) -> dict[str, Any]:
         return {"architectures": ["D3DDrafter"], "model_type": self.model_type, **asdict(self)}
@@ -89,12 +94,19 @@ class D3DConfig:
     def stop_token_ids(self) -> tuple[int, ...]:
         return ()
 
+    def group_size_for(self, block: int) -> int:
+        """The smallest trained mask group holding ``block`` tokens plus the bonus guess."""
+        fitting = [g for g in self.group_sizes if g >= block + 1]
+        if not fitting:
+            raise ValueError(f"block {block} is above this drafter's largest group {max(self.group_sizes)} - 1")
+        return min(fitting)
+
 
 FLAVOURS: dict[str, D3DConfig] = {
     "tiny": D3DConfig(),
     "debug": D3DConfig(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, block_size=8,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, block_size=8, group_sizes=(4, 8),
     ),
 }
 
