@@ -245,8 +245,7 @@ class SpeculativeEngine:
                 running.remove(seq)
                 results[seq.seq_id] = seq.generation
                 free_rows.append(seq.row)
-                if self.drafter is not None and hasattr(self.drafter, "release"):
-                    self.drafter.release(seq.seq_id)
+                self._release(seq.seq_id)
         self.stats.seconds_total += time.perf_counter() - start
         return results
 
@@ -382,6 +381,14 @@ class SpeculativeEngine:
                 out.finish_reason, seq.done = "length", True
             if seq.done:
                 return
+
+    def _release(self, seq_id: int) -> None:
+        if self.drafter is None or not hasattr(self.drafter, "release"):
+            return
+        try:
+            self.drafter.release(seq_id)
+        except DrafterUnavailable:
+            self.drafter = None
 
     def _reset_row(self, row: int) -> None:
         lengths = self.cache.lengths.clone()

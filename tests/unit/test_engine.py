@@ -168,3 +168,21 @@ def test_greedy_dflash_style_equals_plain_greedy(target):
     engine = SpeculativeEngine(target, drafter, EngineConfig(max_num_seqs=4, block_size=5, mode="sync"))
     assert [g.token_ids for g in engine.generate(batch, params)] == expected
     assert engine.stats.num_draft_tokens > 0
+
+
+def test_drafter_process_lossless_and_killed_drafter_loses_no_request(target, drafter_model, tmp_path):
+    from specd.drafters.process import ProcessDrafter
+    from specd.models.loading import save_model
+
+    save_model(drafter_model, tmp_path / "drafter")
+    batch = prompts(4)
+    params = SamplingParams(max_tokens=24)
+    expected = [g.token_ids for g in autoregressive(target, batch, params)]
+    drafter = ProcessDrafter(tmp_path / "drafter", max_num_seqs=4)
+    engine = SpeculativeEngine(target, drafter, EngineConfig(max_num_seqs=4, block_size=4, mode="async"))
+    assert [g.token_ids for g in engine.generate(batch, params)] == expected
+    drafter.kill()  # the drafter dies between requests: output stays exact, decoding goes plain
+    assert [g.token_ids for g in engine.generate(batch, params)] == expected
+    assert engine.drafter is None
+    engine.close()
+    drafter.close()
