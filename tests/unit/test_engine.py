@@ -186,3 +186,68 @@ def test_drafter_process_lossless_and_killed_drafter_loses_no_request(target, dr
     assert engine.drafter is None
     engine.close()
     drafter.close()
+
+
+class _NoisyTargetDrafter:
+    """Samples blocks from q = 0.6 p + 0.4 (uniform over p's top 8), p being the target's own
+    processed distribution: drafts that are often but not always accepted, with a full q."""
+
+    name, max_block = "noisy-target", 8
+
+    def __init__(self, target):
+        self.target, self.vocab_size = target, target.config.vocab_size
+        self.generator = torch.Generator().manual_seed(0)
+
+    @torch.no_grad()
+    def draft(self, requests):
+        from specd.batch import ForwardBatch
+        from specd.sampling import target_probs
+
+        contexts = [list(r.context) for r in requests]
+        tokens = [[] for _ in requests]
+        probs = [[] for _ in requests]
+        for _ in range(requests[0].block_size):
+            logits = self.target(ForwardBatch.causal(contexts))
+            for b, request in enumerate(requests):
+                row = logits[b, len(contexts[b]) - 1]
+                p = target_probs(row, request.params)
+                uniform = torch.zeros_like(p)
+                uniform[row.topk(8).indices] = 1 / 8
+                q = 0.6 * p + 0.4 * uniform
+                token = int(torch.multinomial(q, 1, generator=self.generator))
+                tokens[b].append(token)
+                probs[b].append(q)
+                contexts[b].append(token)
+        return [DraftBlock(tokens=t, probs=torch.stack(q), confidence=[0.5] * len(t)) for t, q in zip(tokens, probs)]
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_sampled_engine_output_has_the_target_distribution(target, temperature, top_p):
+    """20k two-token samples through the engine (stochastic drafts with a full q) against the
+    exact distribution of the target's first two tokens."""
+    from stats_check import chi_square_check
+
+    from specd.batch import ForwardBatch
+    from specd.sampling import target_probs
+
+    prompt = prompts(1)[0][:6]
+    params = SamplingParams(max_tokens=2, temperature=temperature, top_k=4, top_p=top_p)
+    with torch.no_grad():
+        first = target_probs(target(ForwardBatch.causal([prompt]))[0, -1], params)
+        exact = {}
+        for t1 in first.nonzero().flatten().tolist():
+            second = target_probs(target(ForwardBatch.causal([prompt + [t1]]))[0, -1], params)
+            for t2 in second.nonzero().flatten().tolist():
+                exact[(t1, t2)] = float(first[t1] * second[t2])
+    batch = 200
+    engine = SpeculativeEngine(target, _NoisyTargetDrafter(target),
+                               EngineConfig(max_num_seqs=batch, block_size=3, mode="sync", adaptive_block=False))
+    samples = []
+    for call in range(100):
+        seeded = [SamplingParams(max_tokens=2, temperature=temperature, top_k=4, top_p=top_p, seed=call * batch + i)
+                  for i in range(batch)]
+        samples.extend(tuple(g.token_ids) for g in engine.generate([prompt] * batch, seeded))
+    engine.close()
+    ok, report = chi_square_check(samples, exact)
+    assert ok, report
+    assert engine.stats.num_accepted_tokens > 0  # drafts were really used, not only corrections
