@@ -7,6 +7,7 @@
     specd train drafter ...            offline D3D / DFlash-style drafter training
     specd prune --drafter DIR          acceptance-aware layer pruning of a D3D drafter
     specd bench decode [--quick]       speculative vs plain decoding, same run: table, JSON, plots
+    specd bench trees [--quick]        one packed tree pass vs its paths one by one, per target kind
 
 Errors a user can cause (a missing directory, an unsupported architecture, ids outside the
 vocabulary, an empty prompt) print one line saying what was wrong and exit with status 2.
@@ -26,6 +27,7 @@ from tokenizers import Tokenizer
 from specd import zoo
 from specd.bench.decode import METHODS, DecodeSettings
 from specd.bench.decode import main as bench_decode_main
+from specd.bench import trees as bench_trees
 from specd.data import format_chat
 from specd.data import DOMAINS, load_tokenizer
 from specd.drafters.d3d import D3DDrafter
@@ -197,7 +199,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 def cmd_zoo_build(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    ran = zoo.build()
+    ran = zoo.build(only=args.only)
     print(f"zoo at {zoo.zoo_dir()}: {'built ' + ', '.join(ran) if ran else 'up to date'} "
           f"({time.perf_counter() - start:.1f} s)")
     return 0
@@ -274,9 +276,14 @@ def parser() -> argparse.ArgumentParser:
     decode.add_argument("--out", default="out/bench", help="directory for plots and JSON")
     decode.add_argument("--json", help="JSON path (default OUT/decode.json)")
     decode.set_defaults(func=cmd_bench_decode)
+    trees = bench.add_parser("trees", help="a packed tree pass vs its paths one by one, for every target kind")
+    bench_trees.add_arguments(trees)
+    trees.set_defaults(func=bench_trees.run)
 
     zoo_cmd = commands.add_parser("zoo", help="the tiny model zoo").add_subparsers(dest="zoo_command", required=True)
-    zoo_cmd.add_parser("build", help="build missing or stale zoo models").set_defaults(func=cmd_zoo_build)
+    builder = zoo_cmd.add_parser("build", help="build missing or stale zoo models")
+    builder.add_argument("--only", default=None, help="build only this step (and the steps it needs)")
+    builder.set_defaults(func=cmd_zoo_build)
     lister = zoo_cmd.add_parser("list", help="list the zoo's models")
     lister.add_argument("--json", action="store_true")
     lister.set_defaults(func=cmd_zoo_list)

@@ -41,9 +41,9 @@ from specd.data import (
     write_heldout_jsonl,
 )
 from specd.data.tokenizer import ENDOFTEXT, IM_END, MASK, PAD
-from specd.models import d3d, qwen3
+from specd.models import d3d, qwen3, qwen3_next, sparse
 from specd.models.d3d import D3DConfig, D3DModel
-from specd.models.loading import load_model, save_model
+from specd.models.loading import architecture, load_model, save_model
 from specd.train.drafter import (
     DrafterTrainConfig,
     generate_responses,
@@ -75,6 +75,10 @@ class ZooModel:
 MODELS: tuple[ZooModel, ...] = (
     ZooModel(name="qwen3-tiny", kind="target", architecture="qwen3",
              description="full-attention target (Qwen3, GQA), trained on the four domains"),
+    ZooModel(name="qwen3-next-tiny", kind="target", architecture="qwen3_next",
+             description="linear-attention hybrid target (Qwen3-Next: 3 Gated DeltaNet + 1 gated attention layer)"),
+    ZooModel(name="sparse-tiny", kind="target", architecture="specd_sparse",
+             description="sparse-linear hybrid target (3 Gated DeltaNet + 1 lightning-indexer top-64 attention layer)"),
     ZooModel(name="d3d-qwen3-tiny", kind="drafter", architecture="specd_d3d",
              description="D3D block-diffusion drafter for qwen3-tiny (no target hidden states)"),
     ZooModel(name="dflash-qwen3-tiny", kind="drafter", architecture="specd_d3d",
@@ -102,6 +106,8 @@ class Step:
     name: str  # directory under the zoo
     recipe: dict  # what the output depends on; a change rebuilds the step
     run: Callable[[Path], None]  # writes into the (fresh) directory
+    needs: tuple[str, ...] = ()  # steps whose outputs it reads
+    default: bool = True  # built by a plain `specd zoo build` (else only on demand)
 
 
 def _stamp(directory: Path) -> dict | None:
@@ -116,13 +122,19 @@ def run_step(step: Step, log: Callable[[str], None]) -> bool:
     stamp = _stamp(directory)
     if stamp is not None and stamp.get("recipe") == recipe:
         return False
+    # A partial build of the same recipe is kept: steps that checkpoint (drafter training)
+    # resume from it after an interruption.
     staging = directory.with_name(directory.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    marker = staging / ".recipe"
+    if not (marker.is_file() and json.loads(marker.read_text()) == recipe):
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        marker.write_text(json.dumps(recipe) + "\n")
     log(f"[zoo] building {step.name} ...")
     start = time.perf_counter()
     step.run(staging)
     seconds = time.perf_counter() - start
+    marker.unlink()
     (staging / ".done").write_text(json.dumps({"recipe": recipe, "seconds": round(seconds, 1)}) + "\n")
     shutil.rmtree(directory, ignore_errors=True)
     staging.rename(directory)
@@ -176,12 +188,19 @@ def quality(model: torch.nn.Module) -> list[evaluate.DomainQuality]:
 
 
 TARGET_TRAINING = PretrainConfig()
+# The hybrid targets train eager (torch.compile's warm-up and recompiles around the Gated
+# DeltaNet scan cost more than they save on CPU), on half-size batches (8 windows of 256) for
+# 360 steps: about 2.5 minutes each on 2 idle cores, plus the quality report.
+HYBRID_TRAINING = PretrainConfig(steps=360, windows_per_domain=2, warmup_steps=30, compile=False)
 
 
-def _build_target(name: str, config: qwen3.Qwen3Config, training: PretrainConfig) -> Step:
+def _build_target(name: str, config, training: PretrainConfig) -> Step:
+    """A target of any architecture: its config's ``model_type`` picks the model class."""
+
     def run(out: Path) -> None:
         torch.manual_seed(training.seed)
-        model = qwen3.Qwen3ForCausalLM(config)
+        _, model_class = architecture({"model_type": config.model_type})
+        model = model_class(config)
         stats = pretrain(model, token_streams(), training, description=name)
         save_model(model, out)
         for file in tokenizer_dir().iterdir():
@@ -191,10 +210,10 @@ def _build_target(name: str, config: qwen3.Qwen3Config, training: PretrainConfig
         (out / "quality.json").write_text(json.dumps(evaluate.as_json(rows), indent=2) + "\n")
         print(evaluate.format_table(rows))
 
-    return Step(name=name, recipe={"config": asdict(config), "training": asdict(training)}, run=run)
+    return Step(name=name, recipe={"config": asdict(config), "training": asdict(training)}, run=run, needs=("data",))
 
 
-RESPONSES = {"per_domain": 160, "max_tokens": 96, "seed": 0}
+RESPONSES = {"per_domain": 256, "max_tokens": 64, "seed": 0, "greedy": 0.75}
 DRAFTER_TRAINING = DrafterTrainConfig()
 
 
@@ -208,10 +227,10 @@ def _build_responses(target: str) -> Step:
         sequences = generate_responses(model, prompts, RESPONSES["max_tokens"])
         write_sequences(out / "sequences.jsonl", sequences, [len(p) for p in prompts])
 
-    return Step(name=f"responses-{target}", recipe={"target": target, **RESPONSES}, run=run)
+    return Step(name=f"responses-{target}", recipe={"target": target, **RESPONSES}, run=run, needs=(target,))
 
 
-def _build_drafter(name: str, target: str, config: D3DConfig, training: DrafterTrainConfig) -> Step:
+def _build_drafter(name: str, target: str, config: D3DConfig, training: DrafterTrainConfig, default: bool = True) -> Step:
     def run(out: Path) -> None:
         torch.manual_seed(training.seed)
         target_model = load_model(model_path(target))
@@ -226,7 +245,7 @@ def _build_drafter(name: str, target: str, config: D3DConfig, training: DrafterT
             shutil.copy(file, out / file.name)
 
     recipe = {"target": target, "config": asdict(config), "training": asdict(training), "responses": RESPONSES}
-    return Step(name=name, recipe=recipe, run=run)
+    return Step(name=name, recipe=recipe, run=run, needs=(target, f"responses-{target}"), default=default)
 
 
 def drafter_config(target_config, *, reads_target: bool) -> D3DConfig:
@@ -245,12 +264,19 @@ def steps() -> list[Step]:
     target_config = qwen3.Qwen3Config(
         **{**asdict(qwen3.FLAVOURS["tiny"]), "vocab_size": VOCAB_SIZE, "eos_token_id": stop_ids}
     )
+    hybrid = {"vocab_size": VOCAB_SIZE, "eos_token_id": stop_ids}
+    next_config = qwen3_next.Qwen3NextConfig(**{**asdict(qwen3_next.FLAVOURS["tiny"]), **hybrid})
+    sparse_config = sparse.SparseConfig(**{**asdict(sparse.FLAVOURS["tiny"]), **hybrid})
     return [
         data,
         _build_target("qwen3-tiny", target_config, TARGET_TRAINING),
+        _build_target("qwen3-next-tiny", next_config, HYBRID_TRAINING),
+        _build_target("sparse-tiny", sparse_config, HYBRID_TRAINING),
         _build_responses("qwen3-tiny"),
         _build_drafter("d3d-qwen3-tiny", "qwen3-tiny", drafter_config(target_config, reads_target=False), DRAFTER_TRAINING),
-        _build_drafter("dflash-qwen3-tiny", "qwen3-tiny", drafter_config(target_config, reads_target=True), DRAFTER_TRAINING),
+        # The DFlash-style baseline is for benchmarks: built on demand (`zoo.ensure`).
+        _build_drafter("dflash-qwen3-tiny", "qwen3-tiny", drafter_config(target_config, reads_target=True),
+                       DRAFTER_TRAINING, default=False),
     ]
 
 
@@ -262,17 +288,32 @@ def _locked() -> Iterator[None]:
         yield
 
 
-def build(log: Callable[[str], None] = print) -> list[str]:
-    """Build whatever is missing or stale; returns the names of the steps that ran."""
+def build(log: Callable[[str], None] = print, only: str | None = None) -> list[str]:
+    """Build whatever is missing or stale (``only``: that step and what it needs); returns
+    the names of the steps that ran."""
+    chosen = steps()
+    if only is None:
+        chosen = [step for step in chosen if step.default]
+    else:
+        by_name = {step.name: step for step in chosen}
+        if only not in by_name:
+            raise ValueError(f"no zoo step named {only!r}; steps: {', '.join(by_name)}")
+        wanted, todo = set(), [only]
+        while todo:
+            name = todo.pop()
+            if name not in wanted:
+                wanted.add(name)
+                todo.extend(by_name[name].needs)
+        chosen = [step for step in chosen if step.name in wanted]
     with _locked():
-        ran = [step.name for step in steps() if run_step(step, log)]
+        ran = [step.name for step in chosen if run_step(step, log)]
     return ran
 
 
 def ensure(name: str) -> Path:
-    """The path of a zoo model, building the zoo first if it is missing."""
+    """The path of a zoo model, building it (and what it needs) first if it is missing."""
     if not is_built(name):
-        build()
+        build(only=name)
     return model_path(name)
 
 

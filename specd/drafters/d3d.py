@@ -62,6 +62,7 @@ class D3DDrafter:
 
     name = "d3d"
     can_speculate = True  # needs no target state, so it can draft during verification
+    ar_first = True  # see `_run`
 
     def __init__(self, model: D3DModel, *, max_num_seqs: int = 16, device: str | torch.device = "cpu") -> None:
         self.model = model.to(device).eval()
@@ -157,7 +158,17 @@ class D3DDrafter:
         rows = torch.tensor([g.seq for g in groups], device=self.device)
         # The head runs on mask positions only: known nodes need no logits.
         masks = hidden_states[rows[:, None], draft_pass.mask_index.clamp(min=0)]  # [groups, max_group, hidden]
-        return draft_pass, self.model.lm_head(masks).float()
+        logits = self.model.lm_head(masks).float()
+        if self.ar_first:
+            # The first drafted token comes from the auxiliary AR head at the group's parent (the
+            # newest known token): it is trained at every position, so it is the more accurate
+            # guess there; the masks carry the rest of the block.
+            parents = torch.tensor([g.node for g in groups], device=self.device)
+            has_parent = parents >= 0
+            if bool(has_parent.any()):
+                parent_states = hidden_states[rows[has_parent], parents[has_parent]]
+                logits[has_parent, 0] = self.model.ar_head(parent_states).float()
+        return draft_pass, logits
 
     def _block(self, seq: _Seq, logits: Tensor, block_size: int, params: SamplingParams) -> DraftBlock:
         """A block from one group's logits ``[block_size + 1, vocab]`` (the last guesses the bonus)."""

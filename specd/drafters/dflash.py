@@ -24,6 +24,7 @@ class DFlashDrafter(D3DDrafter):
     name = "dflash"
     can_speculate = False  # it needs target states of the tokens being verified
     needs_target_hidden = True
+    ar_first = False  # its first mask already sees the newest token c (DFlash's design)
 
     def __init__(self, model, **kwargs) -> None:
         if not model.config.target_hidden_size:

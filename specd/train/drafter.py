@@ -40,13 +40,13 @@ from specd.train.pretrain import lr_at, PretrainConfig
 
 @dataclass(kw_only=True, slots=True)
 class DrafterTrainConfig:
-    steps: int = 500
+    steps: int = 600
     """Optimizer steps."""
     batch_size: int = 16
     """Sequences per step."""
     seq_len: int = 224
     """Trunk tokens per sequence (prompt tail + response), padded."""
-    groups_per_seq: int = 8
+    groups_per_seq: int = 12
     """Mask groups per sequence."""
     lr: float = 2e-3
     """Peak learning rate (warmup + cosine, like pre-training)."""
@@ -87,12 +87,12 @@ def training_prompts(documents: dict[str, list[str]], tokenizer, per_domain: int
 
 
 def generate_responses(target: nn.Module, prompts: list[list[int]], max_tokens: int, batch: int = 32) -> list[list[int]]:
-    """prompt + the target's response for each prompt; even prompts greedy, odd ones at T=1."""
+    """prompt + the target's response for each prompt: three in four greedy, one at T=1."""
     sequences = []
     for start in tqdm(range(0, len(prompts), batch), desc="target responses", unit="batch"):
         chunk = prompts[start : start + batch]
         params = [
-            SamplingParams(max_tokens=max_tokens, temperature=0.0 if (start + j) % 2 == 0 else 1.0,
+            SamplingParams(max_tokens=max_tokens, temperature=0.0 if (start + j) % 4 else 1.0,
                            seed=start + j, stop_token_ids=target.config.stop_token_ids)
             for j in range(len(chunk))
         ]
