@@ -118,7 +118,8 @@ def _stamp(directory: Path) -> dict | None:
 def run_step(step: Step, log: Callable[[str], None]) -> bool:
     """Run ``step`` unless its stamp matches; returns whether it ran."""
     directory = zoo_dir() / step.name
-    recipe = {"zoo_version": ZOO_VERSION, **step.recipe}
+    # Through JSON once, so it compares equal to what the stamps hold (tuples become lists).
+    recipe = json.loads(json.dumps({"zoo_version": ZOO_VERSION, **step.recipe}))
     stamp = _stamp(directory)
     if stamp is not None and stamp.get("recipe") == recipe:
         return False

@@ -50,6 +50,11 @@ class DecodeSettings:
     block_sizes: tuple[int, ...] = (4, 8, 16)
     methods: tuple[str, ...] = METHODS
     domains: tuple[str, ...] = DOMAINS
+    threads: int = 2
+    """Intra-op threads for every method but d3d-async (the machine's cores)."""
+    async_threads: int = 1
+    """Intra-op threads for d3d-async: the target pass and the drafter's candidate pass run at
+    the same time, so each gets half the cores instead of both fighting for all of them."""
 
     @staticmethod
     def quick() -> "DecodeSettings":
@@ -71,6 +76,7 @@ class DecodeRow:
     tokens_per_second: float
     overhead_ms_per_step: float
     target_passes: int
+    threads: int
     speedup: float = field(default=1.0)
 
 
@@ -103,7 +109,18 @@ def domain_prompts(settings: DecodeSettings) -> dict[str, list[list[int]]]:
 
 
 def run_case(models: _Models, method: str, prompts: list[list[int]], *, temperature: float, batch: int,
-             block: int, max_tokens: int) -> DecodeRow:
+             block: int, max_tokens: int, threads: int) -> DecodeRow:
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _run_case(models, method, prompts, temperature=temperature, batch=batch, block=block,
+                         max_tokens=max_tokens, threads=threads)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run_case(models: _Models, method: str, prompts: list[list[int]], *, temperature: float, batch: int,
+              block: int, max_tokens: int, threads: int) -> DecodeRow:
     drafter = models.drafter(method, batch)
     mode = "async" if method == "d3d-async" else "sync"
     config = EngineConfig(max_num_seqs=batch, block_size=0 if method == "ar" else block, mode=mode)
@@ -119,7 +136,7 @@ def run_case(models: _Models, method: str, prompts: list[list[int]], *, temperat
         method=method, domain="", temperature=temperature, batch=batch, block=block if method != "ar" else 0,
         tau=stats.tau, acceptance_per_pos=stats.acceptance_per_pos, hit_rate=stats.hit_rate, tokens=tokens,
         seconds=seconds, tokens_per_second=tokens / seconds, overhead_ms_per_step=1000 * stats.overhead_per_step,
-        target_passes=stats.num_target_passes,
+        target_passes=stats.num_target_passes, threads=threads,
     )
 
 
@@ -130,7 +147,7 @@ def bench_decode(settings: DecodeSettings) -> list[DecodeRow]:
     # Warm up every code path once (allocations, first-call overheads).
     for method in settings.methods:
         run_case(models, method, prompts[settings.domains[0]][:1], temperature=0.0, batch=1,
-                 block=min(settings.block_sizes), max_tokens=16)
+                 block=min(settings.block_sizes), max_tokens=16, threads=settings.threads)
     cases = [
         (domain, temperature, batch, block, method)
         for domain in settings.domains
@@ -144,8 +161,9 @@ def bench_decode(settings: DecodeSettings) -> list[DecodeRow]:
     for domain, temperature, batch, block, method in tqdm(cases, desc="bench decode", unit="case"):
         # Repeat prompts so every batch size sees at least two full batches of work.
         work = (prompts[domain] * (2 * batch // len(prompts[domain]) + 1))[: max(len(prompts[domain]), 2 * batch)]
+        threads = settings.async_threads if method == "d3d-async" else settings.threads
         row = run_case(models, method, work, temperature=temperature, batch=batch, block=block,
-                       max_tokens=settings.max_tokens)
+                       max_tokens=settings.max_tokens, threads=threads)
         row.domain = domain
         rows.append(row)
     baseline = {(r.domain, r.temperature, r.batch): r.tokens_per_second for r in rows if r.method == "ar"}
@@ -167,12 +185,12 @@ def summary(rows: list[DecodeRow], *, batch: int, block: int, temperature: float
 
 
 def format_table(rows: list[DecodeRow]) -> str:
-    head = f"{'method':<10} {'domain':<9} {'T':>3} {'batch':>5} {'block':>5} {'tau':>6} {'hit':>5} {'tok/s':>8} {'speedup':>8} {'ovh ms':>7}  acceptance/pos"
+    head = f"{'method':<10} {'domain':<9} {'T':>3} {'thr':>3} {'batch':>5} {'block':>5} {'tau':>6} {'hit':>5} {'tok/s':>8} {'speedup':>8} {'ovh ms':>7}  acceptance/pos"
     lines = [head, "-" * len(head)]
     for r in rows:
         acceptance = " ".join(f"{a:.2f}" for a in r.acceptance_per_pos[:8])
         lines.append(
-            f"{r.method:<10} {r.domain:<9} {r.temperature:>3.1f} {r.batch:>5} {r.block:>5} {r.tau:>6.2f} {r.hit_rate:>5.2f} "
+            f"{r.method:<10} {r.domain:<9} {r.temperature:>3.1f} {r.threads:>3} {r.batch:>5} {r.block:>5} {r.tau:>6.2f} {r.hit_rate:>5.2f} "
             f"{r.tokens_per_second:>8.1f} {r.speedup:>7.2f}x {r.overhead_ms_per_step:>7.2f}  {acceptance}"
         )
     return "\n".join(lines)
