@@ -18,12 +18,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from specd.models import d3d, qwen3
+from specd.models import d3d, qwen3, qwen3_next, sparse
 
 # model_type in config.json -> the module that implements it (config_class + model class).
 ARCHITECTURES: dict[str, tuple[type, type[nn.Module]]] = {
     "qwen3": (qwen3.Qwen3Config, qwen3.Qwen3ForCausalLM),
     "specd_d3d": (d3d.D3DConfig, d3d.D3DModel),
+    "qwen3_next": (qwen3_next.Qwen3NextConfig, qwen3_next.Qwen3NextForCausalLM),
+    "specd_sparse": (sparse.SparseConfig, sparse.SparseForCausalLM),
 }
 
 # Hugging Face parameter name -> ours, where they differ (none yet: modules mirror HF names).

@@ -73,3 +73,30 @@ def test_generate_text_from_the_zoo_target(target_dir):
     )
     result = json.loads(proc.stdout)
     assert result["text"] and 1 <= len(result["token_ids"]) <= 32
+
+
+@pytest.mark.parametrize("name", ["qwen3-next-tiny", "sparse-tiny"])
+def test_hybrid_targets_beat_unigram_and_generate(target_dir, name):
+    """The linear-hybrid and sparse-linear targets train for far fewer steps than qwen3-tiny
+    (see zoo.HYBRID_TRAINING): a looser margin, but clearly better than unigram."""
+    directory = zoo.model_path(name)
+    for row in json.loads((directory / "quality.json").read_text()):
+        assert row["model_loss"] < 0.8 * row["unigram_loss"], row
+    proc = subprocess.run(
+        [sys.executable, "-m", "specd.cli", "generate", "--model", str(directory), "--chat",
+         "--prompt", "What does the `zip` function do?", "--max-tokens", "24", "--json"],
+        capture_output=True, text=True, check=True,
+    )
+    assert 1 <= len(json.loads(proc.stdout)["token_ids"]) <= 24
+
+
+def test_transformers_loads_the_qwen3_next_target_with_the_same_logits(target_dir):
+    directory = zoo.model_path("qwen3-next-tiny")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    ours = load_model(directory)
+    ids = tokenizer("def read_config(path):\n    with open(path) as f:")["input_ids"]
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0]
+        got = ours(ForwardBatch.causal([ids]))[0]
+    assert (got - expected).abs().max().item() < 1e-4
