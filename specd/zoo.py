@@ -192,7 +192,7 @@ TARGET_TRAINING = PretrainConfig()
 # The hybrid targets train eager (torch.compile's warm-up and recompiles around the Gated
 # DeltaNet scan cost more than they save on CPU), on half-size batches (8 windows of 256) for
 # 360 steps: about 2.5 minutes each on 2 idle cores, plus the quality report.
-HYBRID_TRAINING = PretrainConfig(steps=360, windows_per_domain=2, warmup_steps=30, compile=False)
+HYBRID_TRAINING = PretrainConfig(steps=600, windows_per_domain=2, warmup_steps=30, compile=False)
 
 
 def _build_target(name: str, config, training: PretrainConfig) -> Step:

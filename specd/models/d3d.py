@@ -106,7 +106,7 @@ FLAVOURS: dict[str, D3DConfig] = {
     "tiny": D3DConfig(),
     "debug": D3DConfig(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, block_size=8, group_sizes=(4, 8),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
     ),
 }
 

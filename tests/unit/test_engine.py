@@ -13,19 +13,32 @@ from specd.drafters.ngram import NgramDrafter
 from specd.engine import EngineConfig, SpeculativeEngine, autoregressive
 from specd.models.d3d import FLAVOURS as D3D_FLAVOURS, D3DModel
 from specd.models.qwen3 import FLAVOURS, Qwen3ForCausalLM
+from specd.models.qwen3_next import FLAVOURS as NEXT_FLAVOURS, Qwen3NextForCausalLM
+from specd.models.sparse import FLAVOURS as SPARSE_FLAVOURS, SparseForCausalLM
 from specd.sampling import SamplingParams
 
 VOCAB = FLAVOURS["debug"].vocab_size
 
 
-@pytest.fixture(scope="module")
-def target():
+def sharpened(model):
+    """Scale a random model's head so greedy text has structure drafters can sometimes guess."""
     torch.manual_seed(3)
-    model = Qwen3ForCausalLM(FLAVOURS["debug"]).eval()
-    # Sharpen the random model so greedy text has structure the drafters can sometimes guess.
+    model = model.eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(8)
     return model
+
+
+@pytest.fixture(scope="module")
+def target():
+    return sharpened(Qwen3ForCausalLM(FLAVOURS["debug"]))
+
+
+TARGET_KINDS = {
+    "qwen3": lambda: Qwen3ForCausalLM(FLAVOURS["debug"]),
+    "qwen3_next": lambda: Qwen3NextForCausalLM(NEXT_FLAVOURS["debug"]),
+    "sparse": lambda: SparseForCausalLM(SPARSE_FLAVOURS["debug"]),
+}
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +52,13 @@ def prompts(num: int) -> list[list[int]]:
     return [torch.randint(7, VOCAB, (int(n),), generator=generator).tolist() for n in torch.randint(3, 20, (num,), generator=generator)]
 
 
+@pytest.mark.parametrize("kind", sorted(TARGET_KINDS))
 @pytest.mark.parametrize("num_seqs", [1, 8])
-@pytest.mark.parametrize("block_size", [1, 3, 7])
+@pytest.mark.parametrize("block_size", [1, 3, 16])
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_greedy_d3d_equals_plain_greedy(target, drafter_model, num_seqs, block_size, mode):
+def test_greedy_d3d_equals_plain_greedy(drafter_model, kind, num_seqs, block_size, mode):
+    """Random-weight drafter: bad drafts must still give exactly the plain greedy output."""
+    target = sharpened(TARGET_KINDS[kind]())
     batch = prompts(num_seqs)
     params = SamplingParams(max_tokens=24)
     expected = [g.token_ids for g in autoregressive(target, batch, params)]
