@@ -1,5 +1,6 @@
 # specd: the README's two commands do all set-up themselves.
-#   make demo   build the tiny zoo if missing, then generate from the tiny target
+#   make demo   build the tiny zoo if missing, then generate from the tiny target: plain, then
+#               speculative with the D3D drafter (same text, fewer target passes)
 #   make test   the whole test suite (unit, integration; builds and caches the zoo once)
 
 PYTHON ?= python3
@@ -38,9 +39,14 @@ demo: zoo
 	$(BIN)/specd generate --model "$$($(BIN)/specd zoo path qwen3-tiny)" --chat \
 	  --prompt "A shop sells pens for 3 dollars each. Ana buys 7 pens and pays with a 50 dollar note. How much change does she get?" \
 	  --max-tokens 96
+	$(BIN)/specd generate --model "$$($(BIN)/specd zoo path qwen3-tiny)" --chat \
+	  --drafter "$$($(BIN)/specd zoo path d3d-qwen3-tiny)" --block-size 8 \
+	  --prompt "A shop sells pens for 3 dollars each. Ana buys 7 pens and pays with a 50 dollar note. How much change does she get?" \
+	  --max-tokens 96
 
+# The zoo is built first (cached; progress bars on the terminal), then the suite runs.
 # pytest exits 5 when it collected no test: that is a broken suite, not a pass.
-test: setup
+test: zoo
 	@$(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
