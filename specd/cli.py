@@ -5,9 +5,11 @@
     specd zoo path NAME                a built zoo model's directory (for scripts)
     specd generate --model DIR ...     generation: plain, or speculative with --drafter DIR|ngram
     specd train drafter ...            offline D3D / DFlash-style drafter training
+    specd train opd ...                on-policy distillation of a D3D drafter (SpecOPD / sequential / offline)
     specd prune --drafter DIR          acceptance-aware layer pruning of a D3D drafter
     specd bench decode [--quick]       speculative vs plain decoding, same run: table, JSON, plots
     specd bench trees [--quick]        one packed tree pass vs its paths one by one, per target kind
+    specd bench opd [--quick]          SpecOPD vs sequential OPD vs offline distillation, same run
 
 Errors a user can cause (a missing directory, an unsupported architecture, ids outside the
 vocabulary, an empty prompt) print one line saying what was wrong and exit with status 2.
@@ -38,6 +40,10 @@ from specd.models.d3d import D3DModel
 from specd.models.loading import ModelLoadError, load_model, save_model
 from specd.sampling import SamplingParams
 from specd.train.prune import prune
+from specd.train.losses import LOSSES
+from specd.train.opd import METHODS as OPD_METHODS, OPDResult, mean_tau, open_source, parse_line, train_opd
+from specd.train.specopd import SpecOPDConfig, Trajectory
+from specd.bench import opd as bench_opd
 from specd.train.drafter import (
     DrafterTrainConfig,
     generate_responses,
@@ -168,6 +174,53 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval_prompts(args: argparse.Namespace, tokenizer) -> dict[str, list[list[int]]] | None:
+    """Held-out prompts for τ: ``--eval-data`` records' prompts, else the zoo's held-out sets if built."""
+    count = args.eval_prompts
+    if args.eval_data:
+        lines = [line for line in Path(args.eval_data).read_text().splitlines() if line.strip()]
+        items = [t for t in (parse_line(line, tokenizer) for line in lines) if isinstance(t, Trajectory) and t.prompt]
+        return {"eval": [t.prompt[-192:] for t in items[:count]]} if items else None
+    if tokenizer is None or not zoo.heldout_path(DOMAINS[0]).is_file():
+        return None
+    return {domain: [tokenizer.encode(item.prompt).ids[-192:] for item in items[:count]]
+            for domain, items in zoo.heldout().items()}
+
+
+def cmd_train_opd(args: argparse.Namespace) -> int:
+    target_dir, drafter_dir, out = Path(args.target), Path(args.drafter), Path(args.out)
+    target, drafter = load_model(target_dir), load_model(drafter_dir)
+    if not isinstance(drafter, D3DModel) or drafter.config.target_hidden_size:
+        raise UsageError(f"{drafter_dir} is not a D3D drafter: on-policy distillation trains D3D drafters")
+    tokenizer = _load_tokenizer(target_dir) or _load_tokenizer(drafter_dir)
+    source = open_source(args.data, tokenizer)
+    config = SpecOPDConfig(block_size=args.block_size, anchors_per_seq=args.anchors, branches_per_anchor=args.branches,
+                           loss=args.loss, lr=args.lr, seed=args.seed,
+                           max_context=getattr(target.config, "max_position_embeddings", 4096))
+    prompts = _eval_prompts(args, tokenizer) if args.eval_every else None
+    if args.eval_every and not prompts:
+        print("no held-out prompts (no --eval-data and no built zoo): held-out tau is not measured", file=sys.stderr)
+    result: OPDResult = train_opd(
+        target, drafter, source, method=args.method, config=config, out=out / "work", steps=args.steps,
+        batch_size=args.batch_size, checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
+        eval_prompts=prompts,
+    )
+    save_model(drafter, out)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        source_dir = drafter_dir if (drafter_dir / file).is_file() else target_dir
+        if (source_dir / file).is_file():
+            (out / file).write_bytes((source_dir / file).read_bytes())
+    summary = {"method": args.method, "loss": config.loss, "steps": result.steps, "seconds": result.seconds,
+               "num_supervised_tokens": result.num_supervised_tokens, "final_loss": result.losses[-1] if result.losses else None,
+               "skipped": result.skipped, "evaluations": result.evaluations}
+    (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    last = result.evaluations[-1]["tau"] if result.evaluations else {}
+    print(f"saved {args.method} drafter to {out}: {result.steps} steps, {result.num_supervised_tokens} supervised tokens "
+          f"in {result.seconds:.1f} s" + (f", held-out tau {mean_tau(last):.3f}" if last else "")
+          + (f", skipped {result.skipped}" if result.skipped else ""))
+    return 0
+
+
 def cmd_bench_decode(args: argparse.Namespace) -> int:
     settings = DecodeSettings.quick() if args.quick else DecodeSettings()
     if args.methods:
@@ -260,6 +313,27 @@ def parser() -> argparse.ArgumentParser:
     drafter.add_argument("--response-tokens", type=int, default=96)
     drafter.set_defaults(func=cmd_train_drafter)
 
+    opd = train.add_parser("opd", help="on-policy distillation of a D3D drafter (SpecOPD or its baselines)")
+    opd.add_argument("--target", required=True, help="target model directory")
+    opd.add_argument("--drafter", required=True, help="starting D3D drafter directory")
+    opd.add_argument("--data", required=True, help="JSONL trajectories (prompt_ids/response_ids, prompt/response text, "
+                                                   "or prompt_len/ids); redis://... once the services land")
+    opd.add_argument("--out", required=True, help="output drafter directory (resumable: checkpoints under OUT/work)")
+    opd.add_argument("--method", choices=list(OPD_METHODS), default="specopd")
+    opd.add_argument("--loss", choices=list(LOSSES), default="e2e-tv", help="(offline always trains with kl)")
+    opd.add_argument("--steps", type=int, default=200)
+    opd.add_argument("--eval-every", type=int, default=50, help="steps between held-out tau measurements (0 = never)")
+    opd.add_argument("--eval-data", default=None, help="JSONL whose prompts measure tau (default: the zoo's held-out sets)")
+    opd.add_argument("--eval-prompts", type=int, default=2, help="held-out prompts per domain")
+    opd.add_argument("--checkpoint-every", type=int, default=50)
+    opd.add_argument("--batch-size", type=int, default=4, help="trajectories per step")
+    opd.add_argument("--block-size", type=int, default=8)
+    opd.add_argument("--anchors", type=int, default=SpecOPDConfig().anchors_per_seq, help="anchors per trajectory")
+    opd.add_argument("--branches", type=int, default=SpecOPDConfig().branches_per_anchor, help="branches per anchor (K)")
+    opd.add_argument("--lr", type=float, default=SpecOPDConfig().lr)
+    opd.add_argument("--seed", type=int, default=0)
+    opd.set_defaults(func=cmd_train_opd)
+
     pruner = commands.add_parser("prune", help="acceptance-aware layer pruning of a D3D drafter")
     pruner.add_argument("--drafter", required=True, help="D3D drafter directory")
     pruner.add_argument("--target", default=None, help="target directory (default: the zoo's qwen3-tiny)")
@@ -279,6 +353,9 @@ def parser() -> argparse.ArgumentParser:
     trees = bench.add_parser("trees", help="a packed tree pass vs its paths one by one, for every target kind")
     bench_trees.add_arguments(trees)
     trees.set_defaults(func=bench_trees.run)
+    opd_bench = bench.add_parser("opd", help="SpecOPD vs sequential OPD vs offline distillation on the zoo, same run")
+    bench_opd.add_arguments(opd_bench)
+    opd_bench.set_defaults(func=bench_opd.run)
 
     zoo_cmd = commands.add_parser("zoo", help="the tiny model zoo").add_subparsers(dest="zoo_command", required=True)
     builder = zoo_cmd.add_parser("build", help="build missing or stale zoo models")

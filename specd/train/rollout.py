@@ -10,11 +10,17 @@
   sequential dependency is what SpecOPD removes.
 - **Offline distillation** (`OfflineDistillationTrainer`): teacher-forced. At anchors of the
   reference trajectory, the "branch" is the reference continuation ``tokens[a : a + B]`` itself;
-  p comes from one causal target pass over the reference. Run it with ``loss="kl"`` (the usual
-  offline objective); positions past the end of the reference are masked.
+  p comes from one causal target pass over the reference; positions past the end of the
+  reference are masked. Its loss is always forward KL (the trainer replaces any other
+  ``config.loss`` and says so in the log): that is the objective of the offline recipe the issue
+  names as the baseline (teacher-forced, KL; DistillSpec's offline setting), and E2E-TV on
+  teacher-forced blocks would measure acceptance of blocks the drafter never drafts.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import logging
 
 import torch
 from torch import Tensor, nn
@@ -24,7 +30,9 @@ from specd.drafters.d3d import D3DDrafter
 from specd.engine import EngineConfig, SpeculativeEngine
 from specd.models.d3d import D3DModel
 from specd.sampling import SamplingParams, VerifyResult
-from specd.train.specopd import DrafterDistiller, Supervision, Trajectory, stop_mask
+from specd.train.specopd import DrafterDistiller, SpecOPDConfig, Supervision, Trajectory, stop_mask
+
+logger = logging.getLogger(__name__)
 
 
 class RecordingEngine(SpeculativeEngine):
@@ -104,7 +112,15 @@ class SequentialOPDTrainer(DrafterDistiller):
 
 
 class OfflineDistillationTrainer(DrafterDistiller):
-    """Offline distillation (module docstring): teacher-forced reference blocks, p from one causal pass."""
+    """Offline distillation (module docstring): teacher-forced reference blocks, p from one causal pass, KL."""
+
+    def __init__(self, target: nn.Module, drafter: D3DModel, config: SpecOPDConfig | None = None,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
+        config = config or SpecOPDConfig(loss="kl")
+        if config.loss != "kl":
+            logger.info("offline distillation trains with loss 'kl', not %r (the baseline's objective)", config.loss)
+            config = dataclasses.replace(config, loss="kl")
+        super().__init__(target, drafter, config, optimizer)
 
     def supervise(self, trajectories: list[Trajectory]) -> Supervision | None:
         config = self.config
