@@ -216,6 +216,9 @@ class SpeculativeEngine:
         self.cost_model = CostModel()
         self.stats = EngineStats()
         self._pool = ThreadPoolExecutor(max_workers=1) if self.config.mode == "async" else None
+        # The last verification pass, for the commit that follows it (and a DFlash drafter's states).
+        self._last_batch: ForwardBatch | None = None
+        self._last_hidden: Tensor | None = None
 
     # ------------------------------------------------------------------ public
     def generate(

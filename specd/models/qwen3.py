@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from specd.batch import ForwardBatch
