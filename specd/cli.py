@@ -27,11 +27,11 @@ import torch
 from tokenizers import Tokenizer
 
 from specd import zoo
+from specd.bench import opd as bench_opd
+from specd.bench import trees as bench_trees
 from specd.bench.decode import METHODS, DecodeSettings
 from specd.bench.decode import main as bench_decode_main
-from specd.bench import trees as bench_trees
-from specd.data import format_chat
-from specd.data import DOMAINS, load_tokenizer
+from specd.data import DOMAINS, format_chat, load_tokenizer
 from specd.drafters.d3d import D3DDrafter
 from specd.drafters.dflash import DFlashDrafter
 from specd.drafters.ngram import NgramDrafter
@@ -39,11 +39,6 @@ from specd.engine import EngineConfig, SpeculativeEngine, check_prompt
 from specd.models.d3d import D3DModel
 from specd.models.loading import ModelLoadError, load_model, save_model
 from specd.sampling import SamplingParams
-from specd.train.prune import prune
-from specd.train.losses import LOSSES
-from specd.train.opd import METHODS as OPD_METHODS, OPDResult, mean_tau, open_source, parse_line, train_opd
-from specd.train.specopd import SpecOPDConfig, Trajectory
-from specd.bench import opd as bench_opd
 from specd.train.drafter import (
     DrafterTrainConfig,
     generate_responses,
@@ -54,6 +49,11 @@ from specd.train.drafter import (
     training_prompts,
     write_sequences,
 )
+from specd.train.losses import LOSSES
+from specd.train.opd import METHODS as OPD_METHODS
+from specd.train.opd import OPDResult, mean_tau, open_source, parse_line, train_opd
+from specd.train.prune import prune
+from specd.train.specopd import SpecOPDConfig, Trajectory
 
 
 class UsageError(ValueError):

@@ -23,8 +23,20 @@ from torch import Tensor, nn
 
 from specd.batch import ForwardBatch
 from specd.cost_model import CostModel
-from specd.drafters.base import DraftBlock, DrafterUnavailable, DraftRequest, SpeculateRequest, check_block_size
-from specd.sampling import SamplingParams, VerifyResult, sample, target_probs, verify_block
+from specd.drafters.base import (
+    DraftBlock,
+    DrafterUnavailable,
+    DraftRequest,
+    SpeculateRequest,
+    check_block_size,
+)
+from specd.sampling import (
+    SamplingParams,
+    VerifyResult,
+    sample,
+    target_probs,
+    verify_block,
+)
 from specd.tree import TokenTree
 
 

@@ -33,10 +33,10 @@ from specd.data import (
     SPECIAL_TOKENS,
     HeldoutPrompt,
     build_corpus,
-    tokenizer_sample,
     load_tokenizer,
     read_prompts_jsonl,
     save_tokenizer,
+    tokenizer_sample,
     train_tokenizer,
     write_heldout_jsonl,
 )

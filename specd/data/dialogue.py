@@ -21,7 +21,6 @@ import ast
 import random
 import re
 from dataclasses import dataclass
-
 from pydoc_data.topics import topics as _TOPICS
 
 from specd.data.corpus import Corpus, HeldoutPrompt, drop_leaked

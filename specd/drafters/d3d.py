@@ -25,7 +25,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from specd.drafters.base import DraftBlock, DraftRequest, SpeculateRequest, check_block_size
+from specd.drafters.base import (
+    DraftBlock,
+    DraftRequest,
+    SpeculateRequest,
+    check_block_size,
+)
 from specd.models.d3d import D3DModel, DraftPass, MaskGroup, build_draft_pass
 from specd.sampling import SamplingParams, sample, target_probs
 from specd.tree import TokenTree

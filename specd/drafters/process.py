@@ -18,7 +18,12 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from specd.drafters.base import DraftBlock, DrafterUnavailable, DraftRequest, SpeculateRequest
+from specd.drafters.base import (
+    DraftBlock,
+    DrafterUnavailable,
+    DraftRequest,
+    SpeculateRequest,
+)
 from specd.drafters.d3d import D3DDrafter
 from specd.models.loading import load_model
 

@@ -35,7 +35,7 @@ from specd.engine import autoregressive
 from specd.models.d3d import D3DModel
 from specd.models.loading import save_model
 from specd.sampling import SamplingParams
-from specd.train.pretrain import lr_at, PretrainConfig
+from specd.train.pretrain import PretrainConfig, lr_at
 
 
 @dataclass(kw_only=True, slots=True)

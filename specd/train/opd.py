@@ -46,7 +46,12 @@ from specd.engine import EngineConfig, SpeculativeEngine
 from specd.models.d3d import D3DModel
 from specd.sampling import SamplingParams
 from specd.train.rollout import OfflineDistillationTrainer, SequentialOPDTrainer
-from specd.train.specopd import DrafterDistiller, SpecOPDConfig, SpecOPDTrainer, Trajectory
+from specd.train.specopd import (
+    DrafterDistiller,
+    SpecOPDConfig,
+    SpecOPDTrainer,
+    Trajectory,
+)
 
 logger = logging.getLogger(__name__)
 

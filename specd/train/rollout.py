@@ -30,7 +30,13 @@ from specd.drafters.d3d import D3DDrafter
 from specd.engine import EngineConfig, SpeculativeEngine
 from specd.models.d3d import D3DModel
 from specd.sampling import SamplingParams, VerifyResult
-from specd.train.specopd import DrafterDistiller, SpecOPDConfig, Supervision, Trajectory, stop_mask
+from specd.train.specopd import (
+    DrafterDistiller,
+    SpecOPDConfig,
+    Supervision,
+    Trajectory,
+    stop_mask,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -46,7 +46,12 @@ from specd.batch import ForwardBatch
 from specd.drafters.d3d import D3DDrafter
 from specd.models.d3d import D3DModel, MaskGroup, build_draft_pass
 from specd.train.drafter import denoising_batch
-from specd.train.losses import LOSSES, acceptance_probs, distillation_loss, expected_accepted_length
+from specd.train.losses import (
+    LOSSES,
+    acceptance_probs,
+    distillation_loss,
+    expected_accepted_length,
+)
 from specd.tree import TokenTree
 
 logger = logging.getLogger(__name__)

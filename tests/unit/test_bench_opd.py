@@ -7,7 +7,8 @@ import json
 import torch
 
 from specd.bench.opd import RUNS, OPDBenchSettings, format_report, run_bench, write
-from specd.models.d3d import FLAVOURS as D3D_FLAVOURS, D3DModel
+from specd.models.d3d import FLAVOURS as D3D_FLAVOURS
+from specd.models.d3d import D3DModel
 from specd.models.qwen3 import FLAVOURS, Qwen3ForCausalLM
 from specd.train.specopd import Trajectory
 

@@ -31,7 +31,12 @@ from specd.data import (
 )
 from specd.data.agentic import TOOLS
 from specd.data.stdlib_code import MAX_CHUNK_LINES, chunk_module, normalize_code
-from specd.data.tokenizer import GENERATION_PROMPT, IM_END, TOOL_CALL_END, TOOL_CALL_START
+from specd.data.tokenizer import (
+    GENERATION_PROMPT,
+    IM_END,
+    TOOL_CALL_END,
+    TOOL_CALL_START,
+)
 
 CHAT_DOMAINS = ("dialogue", "math", "agentic")
 

@@ -11,10 +11,13 @@ from specd.drafters.base import DraftBlock, DrafterUnavailable, DraftRequest
 from specd.drafters.d3d import D3DDrafter
 from specd.drafters.ngram import NgramDrafter
 from specd.engine import EngineConfig, SpeculativeEngine, autoregressive
-from specd.models.d3d import FLAVOURS as D3D_FLAVOURS, D3DModel
+from specd.models.d3d import FLAVOURS as D3D_FLAVOURS
+from specd.models.d3d import D3DModel
 from specd.models.qwen3 import FLAVOURS, Qwen3ForCausalLM
-from specd.models.qwen3_next import FLAVOURS as NEXT_FLAVOURS, Qwen3NextForCausalLM
-from specd.models.sparse import FLAVOURS as SPARSE_FLAVOURS, SparseForCausalLM
+from specd.models.qwen3_next import FLAVOURS as NEXT_FLAVOURS
+from specd.models.qwen3_next import Qwen3NextForCausalLM
+from specd.models.sparse import FLAVOURS as SPARSE_FLAVOURS
+from specd.models.sparse import SparseForCausalLM
 from specd.sampling import SamplingParams
 
 VOCAB = FLAVOURS["debug"].vocab_size

@@ -9,7 +9,12 @@ import torch
 
 from specd.sampling import verify_block
 from specd.train.losses import (
-    acceptance_probs, distillation_loss, e2e_tv_loss, hybrid_weight, kl_loss, tv_loss,
+    acceptance_probs,
+    distillation_loss,
+    e2e_tv_loss,
+    hybrid_weight,
+    kl_loss,
+    tv_loss,
 )
 
 

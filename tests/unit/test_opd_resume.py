@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from specd.cli import main
-from specd.models.d3d import FLAVOURS as D3D_FLAVOURS, D3DModel
+from specd.models.d3d import FLAVOURS as D3D_FLAVOURS
+from specd.models.d3d import D3DModel
 from specd.models.loading import load_model, save_model
 from specd.models.qwen3 import FLAVOURS, Qwen3ForCausalLM
 from specd.train.opd import FileSource, open_source, parse_line, train_opd

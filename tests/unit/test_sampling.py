@@ -8,9 +8,9 @@ from collections import Counter
 
 import pytest
 import torch
-from stats_check import chi_square_check
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from stats_check import chi_square_check
 
 from specd.drafters.base import check_block_size
 from specd.sampling import (

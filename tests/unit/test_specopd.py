@@ -8,13 +8,26 @@ import pytest
 import torch
 
 from specd.batch import ForwardBatch
-from specd.models.d3d import FLAVOURS as D3D_FLAVOURS, D3DModel
+from specd.models.d3d import FLAVOURS as D3D_FLAVOURS
+from specd.models.d3d import D3DModel
 from specd.models.qwen3 import FLAVOURS, Qwen3ForCausalLM
-from specd.models.qwen3_next import FLAVOURS as NEXT_FLAVOURS, Qwen3NextForCausalLM
-from specd.models.sparse import FLAVOURS as SPARSE_FLAVOURS, SparseForCausalLM
-from specd.train.rollout import OfflineDistillationTrainer, SequentialOPDTrainer, rollout
+from specd.models.qwen3_next import FLAVOURS as NEXT_FLAVOURS
+from specd.models.qwen3_next import Qwen3NextForCausalLM
+from specd.models.sparse import FLAVOURS as SPARSE_FLAVOURS
+from specd.models.sparse import SparseForCausalLM
+from specd.train.rollout import (
+    OfflineDistillationTrainer,
+    SequentialOPDTrainer,
+    rollout,
+)
 from specd.train.specopd import (
-    SpecOPDConfig, SpecOPDTrainer, Trajectory, draft_logits, sample_branches, score_branches, stop_mask,
+    SpecOPDConfig,
+    SpecOPDTrainer,
+    Trajectory,
+    draft_logits,
+    sample_branches,
+    score_branches,
+    stop_mask,
 )
 
 VOCAB = FLAVOURS["debug"].vocab_size
