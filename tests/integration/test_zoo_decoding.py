@@ -7,7 +7,6 @@ import pytest
 from specd import zoo
 from specd.data import load_tokenizer
 from specd.drafters.d3d import D3DDrafter
-from specd.drafters.dflash import DFlashDrafter
 from specd.drafters.ngram import NgramDrafter
 from specd.engine import EngineConfig, SpeculativeEngine, autoregressive
 from specd.models.loading import load_model
@@ -19,7 +18,9 @@ pytestmark = pytest.mark.zoo
 @pytest.fixture(scope="module")
 def models():
     zoo.build()
-    return {name: load_model(zoo.model_path(name)) for name in ("qwen3-tiny", "d3d-qwen3-tiny", "dflash-qwen3-tiny")}
+    # The DFlash-style baseline is built on demand (benchmarks); its losslessness is covered
+    # by tests/unit/test_engine.py with a random-weight model.
+    return {name: load_model(zoo.model_path(name)) for name in ("qwen3-tiny", "d3d-qwen3-tiny")}
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +45,10 @@ def test_trained_d3d_async_is_lossless(models, heldout_prompts, num_seqs, block_
         assert engine.stats.tau > 1.5  # a trained drafter gets well past one token per pass
 
 
-@pytest.mark.parametrize("kind", ["dflash", "ngram"])
-def test_baselines_are_lossless(models, heldout_prompts, kind):
+def test_ngram_is_lossless(models, heldout_prompts):
     prompts = heldout_prompts[:8]
     params = SamplingParams(max_tokens=40)
     expected = [g.token_ids for g in autoregressive(models["qwen3-tiny"], prompts, params)]
-    drafter = (DFlashDrafter(models["dflash-qwen3-tiny"], max_num_seqs=8) if kind == "dflash"
-               else NgramDrafter(vocab_size=models["qwen3-tiny"].config.vocab_size))
+    drafter = NgramDrafter(vocab_size=models["qwen3-tiny"].config.vocab_size)
     engine = SpeculativeEngine(models["qwen3-tiny"], drafter, EngineConfig(max_num_seqs=8, block_size=8, mode="sync"))
     assert [g.token_ids for g in engine.generate(prompts, params)] == expected

@@ -241,9 +241,11 @@ class _NoisyTargetDrafter:
 
 
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
-def test_sampled_engine_output_has_the_target_distribution(target, temperature, top_p):
+def test_sampled_engine_output_has_the_target_distribution(temperature, top_p):
     """20k two-token samples through the engine (stochastic drafts with a full q) against the
     exact distribution of the target's first two tokens."""
+    torch.manual_seed(7)
+    target = Qwen3ForCausalLM(FLAVOURS["debug"]).eval()  # unsharpened: several tokens survive top-p
     from stats_check import chi_square_check
 
     from specd.batch import ForwardBatch
@@ -258,6 +260,7 @@ def test_sampled_engine_output_has_the_target_distribution(target, temperature, 
             second = target_probs(target(ForwardBatch.causal([prompt + [t1]]))[0, -1], params)
             for t2 in second.nonzero().flatten().tolist():
                 exact[(t1, t2)] = float(first[t1] * second[t2])
+    assert len(exact) >= 6  # a distribution worth testing, not a near-certain outcome
     batch = 200
     engine = SpeculativeEngine(target, _NoisyTargetDrafter(target),
                                EngineConfig(max_num_seqs=batch, block_size=3, mode="sync", adaptive_block=False))
