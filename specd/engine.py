@@ -103,13 +103,6 @@ def autoregressive(
     return outputs
 
 
-def timed(fn, *args, **kwargs):
-    """(result, seconds) of one call."""
-    start = time.perf_counter()
-    result = fn(*args, **kwargs)
-    return result, time.perf_counter() - start
-
-
 # ====================================================================== speculative decoding
 @dataclass(kw_only=True, slots=True)
 class EngineConfig:

@@ -145,7 +145,7 @@ def denoising_batch(
 
 
 def sample_batch(sequences: list[list[int]], prompt_lens: list[int], config: DrafterTrainConfig,
-                 group_size: int, lead: int, rng: np.random.Generator, pad_id: int):
+                 lead: int, rng: np.random.Generator, pad_id: int):
     """Random sequences, cut to ``seq_len`` around their response, with anchors in the response."""
     picks = rng.integers(0, len(sequences), size=config.batch_size)
     tokens = torch.full((config.batch_size, config.seq_len), pad_id, dtype=torch.long)
@@ -221,7 +221,7 @@ def train_drafter(
             group["lr"] = lr_at(step, schedule)
         # Every trained group size in turn, so blocks of 4, 8 and 16 each get a matching group.
         group_size = model.config.group_sizes[step % len(model.config.group_sizes)]
-        tokens, lengths, anchors = sample_batch(sequences, prompt_lens, config, group_size, lead, rng, pad_id)
+        tokens, lengths, anchors = sample_batch(sequences, prompt_lens, config, lead, rng, pad_id)
         batch, targets = denoising_batch(tokens, lengths, anchors, group_size, model.config.mask_token_id, lead)
         target_hidden = None
         if lead:

@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tree_strategies import trees
 
 from specd.batch import ForwardBatch
 from specd.cli import main
@@ -37,25 +38,10 @@ VOCAB = 512
 
 
 @st.composite
-def trees(draw, context_len: int):
-    """Each node picks a parent among earlier nodes or starts a branch at any anchor <= context."""
-    num_nodes = draw(st.integers(1, 14))
-    tokens, parents, anchors = [], [], []
-    for i in range(num_nodes):
-        parent = draw(st.integers(-1, i - 1))
-        anchor = anchors[parent] if parent >= 0 else draw(st.integers(0, context_len))
-        tokens.append(draw(st.integers(0, VOCAB - 1)))
-        parents.append(parent)
-        anchors.append(anchor)
-    as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
-    return TokenTree(as_long(tokens), as_long(parents), as_long(anchors))
-
-
-@st.composite
 def batches(draw):
     contexts = draw(st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=13), min_size=1, max_size=3))
     splits = [draw(st.integers(0, len(c))) for c in contexts]  # prefill in two passes
-    return contexts, splits, [draw(trees(len(c))) for c in contexts]
+    return contexts, splits, [draw(trees(len(c), VOCAB)) for c in contexts]
 
 
 @torch.no_grad()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tree_strategies import trees
 
 from specd.batch import ForwardBatch
 from specd.models.qwen3 import FLAVOURS, Qwen3ForCausalLM
@@ -21,21 +22,6 @@ def make_model() -> Qwen3ForCausalLM:
 MODEL = make_model()
 
 
-@st.composite
-def trees(draw, context_len: int):
-    """A random tree: each node picks a parent among earlier nodes or a new root at an anchor."""
-    num_nodes = draw(st.integers(1, 14))
-    tokens, parents, anchors = [], [], []
-    for i in range(num_nodes):
-        parent = draw(st.integers(-1, i - 1))
-        anchor = anchors[parent] if parent >= 0 else draw(st.integers(0, context_len))
-        tokens.append(draw(st.integers(0, VOCAB - 1)))
-        parents.append(parent)
-        anchors.append(anchor)
-    as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
-    return TokenTree(as_long(tokens), as_long(parents), as_long(anchors))
-
-
 def alone(context: list[int]) -> torch.Tensor:
     """Logits of a fresh prefill of ``context`` with no cache: the reference."""
     with torch.no_grad():
@@ -45,7 +31,7 @@ def alone(context: list[int]) -> torch.Tensor:
 @st.composite
 def batches(draw):
     contexts = draw(st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12), min_size=1, max_size=3))
-    return contexts, [draw(trees(len(c))) for c in contexts]
+    return contexts, [draw(trees(len(c), VOCAB)) for c in contexts]
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
