@@ -44,6 +44,10 @@ demo: zoo
 	  --prompt "A shop sells pens for 3 dollars each. Ana buys 7 pens and pays with a 50 dollar note. How much change does she get?" \
 	  --max-tokens 96
 
+# Regenerate specd/_proto/v1 from proto/specd/v1 (a test fails when the checked-in stubs are stale).
+proto: $(VENV)/.installed
+	$(BIN)/python proto/generate.py
+
 # The zoo is built first (cached; progress bars on the terminal), then the suite runs.
 # pytest exits 5 when it collected no test: that is a broken suite, not a pass.
 test: zoo

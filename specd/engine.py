@@ -50,6 +50,8 @@ class Generation:
     """"stop" (a stop token) or "length" (max_tokens)."""
     num_passes: int = 0
     """Target passes that produced this request's tokens (prefill included)."""
+    accepted_lengths: list[int] = field(default_factory=list)
+    """Drafted tokens accepted at each of this request's verification passes (speculative only)."""
 
 
 def check_prompt(prompt: Sequence[int], vocab_size: int) -> None:
@@ -117,6 +119,9 @@ class EngineConfig:
     """Outcomes (k, c) per sequence the drafter drafts a next block for, in async mode."""
     adaptive_block: bool = True
     """Let the cost model shorten blocks (down to plain decoding) when that is faster."""
+    drafter_retry_s: float | None = None
+    """After the drafter fails: decode plain for this long, then try it again (None = never again,
+    right for a one-shot batch; a long-running server sets it so a drafter that comes back is used)."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("async", "sync"):
@@ -221,6 +226,8 @@ class SpeculativeEngine:
         self.cost_model = CostModel()
         self.stats = EngineStats()
         self._pool = ThreadPoolExecutor(max_workers=1) if self.config.mode == "async" else None
+        self._parked_drafter = None  # a drafter that failed, until its retry time
+        self._drafter_retry_at = 0.0
         # The last verification pass, for the commit that follows it (and a DFlash drafter's states).
         self._last_batch: ForwardBatch | None = None
         self._last_hidden: Tensor | None = None
@@ -262,6 +269,7 @@ class SpeculativeEngine:
     def step(self, running: list[_Sequence]) -> None:
         """One target pass over every running sequence."""
         self.stats.num_steps += 1
+        self._unpark_drafter()
         self._ensure_blocks(running)
         length = self._verify_length(running)
         blocks = [s.block.tokens[:length] if s.block is not None else [] for s in running]
@@ -281,6 +289,7 @@ class SpeculativeEngine:
                 self.drafter.observe(seq.seq_id, (seq.context[seq.cached :] + block)[:committed],
                                      self._last_hidden[seq.row, :committed])
             self._emit(seq, block[: result.num_accepted] + [result.next_token])
+            seq.generation.accepted_lengths.append(result.num_accepted)
             self.stats.count_block(len(block), result.num_accepted)
             if seq.block is not None and block:
                 predicted = CostModel.expected_accepted(seq.block.confidence, len(block))
@@ -310,7 +319,7 @@ class SpeculativeEngine:
         try:
             blocks = self.drafter.draft(requests)
         except DrafterUnavailable:
-            self.drafter = None  # plain decoding from here on
+            self._drafter_failed()  # plain decoding until it comes back
             return
         finally:
             self.stats.seconds_drafter_blocking += time.perf_counter() - start
@@ -345,7 +354,7 @@ class SpeculativeEngine:
         try:
             return future.result()
         except DrafterUnavailable:
-            self.drafter = None
+            self._drafter_failed()
             return None
         finally:
             self.stats.seconds_drafter_blocking += time.perf_counter() - start
@@ -396,7 +405,18 @@ class SpeculativeEngine:
         try:
             self.drafter.release(seq_id)
         except DrafterUnavailable:
-            self.drafter = None
+            self._drafter_failed()
+
+    def _drafter_failed(self) -> None:
+        """The drafter is unreachable: decode plain, and park it for a retry if configured."""
+        if self.config.drafter_retry_s is not None:
+            self._parked_drafter = self.drafter
+            self._drafter_retry_at = time.monotonic() + self.config.drafter_retry_s
+        self.drafter = None
+
+    def _unpark_drafter(self) -> None:
+        if self._parked_drafter is not None and time.monotonic() >= self._drafter_retry_at:
+            self.drafter, self._parked_drafter = self._parked_drafter, None
 
     def _reset_row(self, row: int) -> None:
         lengths = self.cache.lengths.clone()

@@ -1,0 +1,1 @@
+"""Generated wire stubs (gRPC); the rest of specd never imports grpc."""

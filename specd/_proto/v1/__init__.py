@@ -1,0 +1,1 @@
+"""Generated gRPC stubs of specd.v1 (see proto/generate.py)."""

@@ -1,0 +1,264 @@
+"""The serving loop: requests arrive and leave while the target keeps stepping.
+
+`SpeculativeEngine.generate` decodes a fixed batch; a server gets requests one at a time from many
+clients and streams tokens back as they are verified. `ServingEngine` runs the engine's step in a
+background thread over whatever is running (continuous batching, like vLLM's engine core): each
+step admits waiting requests into free cache rows, runs one target pass over every running
+sequence, and pushes the tokens each sequence committed to its `RequestStream`. Finished and
+cancelled sequences leave at once and free their rows for the next waiting request.
+
+Streams are consumed from plain threads (`for delta in stream`) or from asyncio (`async for`); the
+loop thread hands deltas to an event loop with ``call_soon_threadsafe``, so an HTTP server does
+not spend a thread per open stream.
+
+The lock `target_lock` is held during every step, so other users of the same target (the
+verifier's tree scoring for the trainer) interleave between steps instead of racing them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import random
+import threading
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from typing import AsyncIterator, Iterator, Sequence
+
+from torch import nn
+
+from specd.engine import EngineConfig, EngineStats, SpeculativeEngine, _Sequence, check_prompt
+from specd.sampling import SamplingParams
+
+
+class ContextTooLong(ValueError):
+    """The prompt plus the tokens asked for do not fit in the model's context."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    target_passes: int
+    mean_accepted_length: float
+    """Tokens committed per target pass for this request (τ)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Delta:
+    """What one request committed since its previous delta."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    """None until the last delta: "stop", "length" or "abort"."""
+    usage: Usage | None = None
+    """On the last delta."""
+    accepted_lengths: list[int] | None = None
+    """On the last delta: accepted drafted tokens at each of the request's verification passes."""
+    drafter_version: str = ""
+    """On the last delta: the drafter weight version that drafted for it last ("" without one)."""
+
+
+_END = object()
+
+
+class RequestStream:
+    """The deltas of one request, in order; iterable from a thread or from asyncio."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.cancelled = threading.Event()
+        self._lock = threading.Lock()
+        self._items: queue.SimpleQueue = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._async_items: asyncio.Queue | None = None
+
+    def _put(self, item) -> None:
+        """Called by the loop thread."""
+        with self._lock:
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._async_items.put_nowait, item)
+            else:
+                self._items.put(item)
+
+    def cancel(self) -> None:
+        """Ask the engine to drop the request at its next step (its last delta says "abort")."""
+        self.cancelled.set()
+
+    def __iter__(self) -> Iterator[Delta]:
+        while True:
+            item = self._items.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finish_reason is not None:
+                return
+
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        with self._lock:
+            if self._loop is None:
+                self._loop = asyncio.get_running_loop()
+                self._async_items = asyncio.Queue()
+                while not self._items.empty():
+                    self._async_items.put_nowait(self._items.get())
+        while True:
+            item = await self._async_items.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finish_reason is not None:
+                return
+
+
+@dataclass(kw_only=True, slots=True)
+class _Pending:
+    prompt: list[int]
+    params: SamplingParams
+    stream: RequestStream
+
+
+class ServingEngine:
+    """Continuous batching around `SpeculativeEngine` in a background thread (module docstring)."""
+
+    def __init__(self, target: nn.Module, drafter=None, config: EngineConfig | None = None, *,
+                 max_model_len: int | None = None, drafter_version=lambda: "") -> None:
+        config = config or EngineConfig(drafter_retry_s=5.0)
+        self.engine = SpeculativeEngine(target, drafter, config)
+        self.vocab_size = target.config.vocab_size
+        self.max_model_len = max_model_len or int(getattr(target.config, "max_position_embeddings", 4096))
+        self.target_lock = threading.Lock()
+        self._drafter_version = drafter_version
+        self._cond = threading.Condition()
+        self._waiting: deque[_Pending] = deque()
+        self._running: list[_Sequence] = []
+        self._streams: dict[int, tuple[RequestStream, int]] = {}  # seq_id -> (stream, tokens sent)
+        self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
+        self._stopping = False
+        self._drain = True
+        self._ids = random.Random()  # drafter-side sequence ids: unique across verifiers
+        self._thread = threading.Thread(target=self._loop, name="specd-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def stats(self) -> EngineStats:
+        return self.engine.stats
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def check(self, prompt: Sequence[int], params: SamplingParams) -> None:
+        """Raise ValueError (ContextTooLong when it does not fit) for a request that cannot run."""
+        check_prompt(prompt, self.vocab_size)
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise ContextTooLong(
+                f"the prompt has {len(prompt)} tokens and asks for {params.max_tokens} more, but this "
+                f"model's context is {self.max_model_len} tokens: shorten the prompt or lower max_tokens"
+            )
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams, *, request_id: str | None = None) -> RequestStream:
+        self.check(prompt, params)
+        stream = RequestStream(request_id or uuid.uuid4().hex)
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the engine is shutting down: send the request to another replica")
+            self._waiting.append(_Pending(prompt=list(map(int, prompt)), params=params, stream=stream))
+            self._cond.notify()
+        return stream
+
+    def generate(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
+        """Submit one request and wait for all of its tokens."""
+        return [t for delta in self.submit(prompt, params) for t in delta.token_ids]
+
+    def shutdown(self, drain: bool = True) -> None:
+        """Stop the loop; with ``drain`` it first finishes every running and queued request."""
+        with self._cond:
+            self._stopping, self._drain = True, drain
+            self._cond.notify()
+        self._thread.join()
+        self.engine.close()
+
+    # ------------------------------------------------------------------ the loop
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._waiting and not self._running and not self._stopping:
+                        self._cond.wait()
+                    if self._stopping and (not self._drain or not (self._waiting or self._running)):
+                        break
+                    self._admit()
+                self._drop_cancelled()
+                if not self._running:
+                    continue
+                with self.target_lock:
+                    self.engine.step(self._running)
+                self._publish()
+        except BaseException as err:  # a bug in a step: fail every open stream loudly, never hang them
+            for stream, _ in self._streams.values():
+                stream._put(RuntimeError(f"the engine stopped: {err!r}"))
+            for pending in self._waiting:
+                pending.stream._put(RuntimeError(f"the engine stopped: {err!r}"))
+            raise
+        for stream, _ in self._streams.values():  # not drained: the rest is aborted
+            stream._put(Delta(request_id=stream.request_id, token_ids=[], finish_reason="abort"))
+        for pending in self._waiting:
+            pending.stream._put(Delta(request_id=pending.stream.request_id, token_ids=[], finish_reason="abort"))
+
+    def _admit(self) -> None:
+        while self._waiting and self._free_rows:
+            pending = self._waiting.popleft()
+            if pending.stream.cancelled.is_set():
+                pending.stream._put(Delta(request_id=pending.stream.request_id, token_ids=[], finish_reason="abort"))
+                continue
+            row = self._free_rows.pop()
+            self.engine._reset_row(row)
+            seq_id = self._ids.getrandbits(63)
+            self._running.append(_Sequence(
+                seq_id=seq_id, row=row, params=pending.params,
+                generator=pending.params.generator(self.engine.device),
+                context=pending.prompt, num_prompt=len(pending.prompt),
+            ))
+            self._streams[seq_id] = (pending.stream, 0)
+
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in self._running if self._streams[s.seq_id][0].cancelled.is_set()]:
+            seq.generation.finish_reason = "abort"
+            seq.done = True
+            self._finish(seq)
+
+    def _publish(self) -> None:
+        for seq in list(self._running):
+            stream, sent = self._streams[seq.seq_id]
+            tokens = seq.generation.token_ids[sent:]
+            if seq.done:
+                self._finish(seq, tokens)
+            elif tokens:
+                self._streams[seq.seq_id] = (stream, sent + len(tokens))
+                stream._put(Delta(request_id=stream.request_id, token_ids=tokens))
+
+    def _finish(self, seq: _Sequence, tokens: list[int] | None = None) -> None:
+        stream, _ = self._streams.pop(seq.seq_id)
+        self._running.remove(seq)
+        self._free_rows.append(seq.row)
+        self.engine._release(seq.seq_id)
+        out = seq.generation
+        usage = Usage(
+            prompt_tokens=seq.num_prompt, completion_tokens=len(out.token_ids), target_passes=out.num_passes,
+            mean_accepted_length=len(out.token_ids) / out.num_passes if out.num_passes else 0.0,
+        )
+        stream._put(Delta(
+            request_id=stream.request_id, token_ids=tokens or [], finish_reason=out.finish_reason, usage=usage,
+            accepted_lengths=list(out.accepted_lengths), drafter_version=self._drafter_version(),
+        ))
