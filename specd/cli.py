@@ -279,6 +279,21 @@ def cmd_zoo_path(args: argparse.Namespace) -> int:
     return 0
 
 
+def _services_module(name: str):
+    # The services live beside the library (they speak gRPC; specd does not import them at import time).
+    import importlib
+
+    return importlib.import_module(f"services.{name}")
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    return _services_module("up").run(args)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    return _services_module("bench").run(args)
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="specd", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = top.add_subparsers(dest="command", required=True)
@@ -356,6 +371,13 @@ def parser() -> argparse.ArgumentParser:
     opd_bench = bench.add_parser("opd", help="SpecOPD vs sequential OPD vs offline distillation on the zoo, same run")
     bench_opd.add_arguments(opd_bench)
     opd_bench.set_defaults(func=bench_opd.run)
+    serve_bench = bench.add_parser("serve", help="end to end through the services: plain vs sync vs async D3D, by concurrency")
+    serve_bench.set_defaults(func=cmd_bench_serve)
+    _services_module("bench").add_arguments(serve_bench)
+
+    up = commands.add_parser("up", help="run the services on this machine: Redis, trainer, drafters, verifiers")
+    up.set_defaults(func=cmd_up)
+    _services_module("up").add_arguments(up)
 
     zoo_cmd = commands.add_parser("zoo", help="the tiny model zoo").add_subparsers(dest="zoo_command", required=True)
     builder = zoo_cmd.add_parser("build", help="build missing or stale zoo models")

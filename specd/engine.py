@@ -145,6 +145,8 @@ class EngineStats:
     num_emitted_tokens: int = 0
     num_target_passes: int = 0
     num_drafter_calls: int = 0
+    num_drafter_blocking_calls: int = 0
+    """Drafter calls the target pass waited for (fresh blocks after a miss): the critical path."""
     num_candidate_lookups: int = 0
     num_candidate_hits: int = 0
     seconds_total: float = 0.0
@@ -324,6 +326,7 @@ class SpeculativeEngine:
         finally:
             self.stats.seconds_drafter_blocking += time.perf_counter() - start
             self.stats.num_drafter_calls += 1
+            self.stats.num_drafter_blocking_calls += 1
         for seq, block in zip(need, blocks):
             seq.block = block
 

@@ -18,18 +18,22 @@ verifier's tree scoring for the trainer) interleave between steps instead of rac
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import random
 import threading
+import time
 import uuid
 from collections import deque
-from dataclasses import dataclass
-from typing import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, Iterator, Sequence
 
 from torch import nn
 
 from specd.engine import EngineConfig, EngineStats, SpeculativeEngine, _Sequence, check_prompt
 from specd.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class ContextTooLong(ValueError):
@@ -117,27 +121,46 @@ class RequestStream:
 
 
 @dataclass(kw_only=True, slots=True)
+class FinishedRequest:
+    """A finished request as the server records it (its trace, its latency metrics)."""
+
+    request_id: str
+    prompt: list[int]
+    output: list[int]
+    finish_reason: str
+    accepted_lengths: list[int]
+    drafter_version: str
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float
+
+
+@dataclass(kw_only=True, slots=True)
 class _Pending:
     prompt: list[int]
     params: SamplingParams
     stream: RequestStream
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
 
 
 class ServingEngine:
     """Continuous batching around `SpeculativeEngine` in a background thread (module docstring)."""
 
     def __init__(self, target: nn.Module, drafter=None, config: EngineConfig | None = None, *,
-                 max_model_len: int | None = None, drafter_version=lambda: "") -> None:
+                 max_model_len: int | None = None, drafter_version: Callable[[], str] = lambda: "",
+                 on_finish: Callable[[FinishedRequest], None] | None = None) -> None:
         config = config or EngineConfig(drafter_retry_s=5.0)
         self.engine = SpeculativeEngine(target, drafter, config)
         self.vocab_size = target.config.vocab_size
         self.max_model_len = max_model_len or int(getattr(target.config, "max_position_embeddings", 4096))
         self.target_lock = threading.Lock()
         self._drafter_version = drafter_version
+        self._on_finish = on_finish
         self._cond = threading.Condition()
         self._waiting: deque[_Pending] = deque()
         self._running: list[_Sequence] = []
-        self._streams: dict[int, tuple[RequestStream, int]] = {}  # seq_id -> (stream, tokens sent)
+        self._streams: dict[int, tuple[_Pending, int]] = {}  # seq_id -> (request, tokens sent)
         self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
         self._stopping = False
         self._drain = True
@@ -206,13 +229,13 @@ class ServingEngine:
                     self.engine.step(self._running)
                 self._publish()
         except BaseException as err:  # a bug in a step: fail every open stream loudly, never hang them
-            for stream, _ in self._streams.values():
-                stream._put(RuntimeError(f"the engine stopped: {err!r}"))
+            for pending, _ in self._streams.values():
+                pending.stream._put(RuntimeError(f"the engine stopped: {err!r}"))
             for pending in self._waiting:
                 pending.stream._put(RuntimeError(f"the engine stopped: {err!r}"))
             raise
-        for stream, _ in self._streams.values():  # not drained: the rest is aborted
-            stream._put(Delta(request_id=stream.request_id, token_ids=[], finish_reason="abort"))
+        for pending, _ in self._streams.values():  # not drained: the rest is aborted
+            pending.stream._put(Delta(request_id=pending.stream.request_id, token_ids=[], finish_reason="abort"))
         for pending in self._waiting:
             pending.stream._put(Delta(request_id=pending.stream.request_id, token_ids=[], finish_reason="abort"))
 
@@ -230,26 +253,29 @@ class ServingEngine:
                 generator=pending.params.generator(self.engine.device),
                 context=pending.prompt, num_prompt=len(pending.prompt),
             ))
-            self._streams[seq_id] = (pending.stream, 0)
+            self._streams[seq_id] = (pending, 0)
 
     def _drop_cancelled(self) -> None:
-        for seq in [s for s in self._running if self._streams[s.seq_id][0].cancelled.is_set()]:
+        for seq in [s for s in self._running if self._streams[s.seq_id][0].stream.cancelled.is_set()]:
             seq.generation.finish_reason = "abort"
             seq.done = True
             self._finish(seq)
 
     def _publish(self) -> None:
         for seq in list(self._running):
-            stream, sent = self._streams[seq.seq_id]
+            pending, sent = self._streams[seq.seq_id]
             tokens = seq.generation.token_ids[sent:]
+            if tokens and pending.first_token_time is None:
+                pending.first_token_time = time.monotonic()
             if seq.done:
                 self._finish(seq, tokens)
             elif tokens:
-                self._streams[seq.seq_id] = (stream, sent + len(tokens))
-                stream._put(Delta(request_id=stream.request_id, token_ids=tokens))
+                self._streams[seq.seq_id] = (pending, sent + len(tokens))
+                pending.stream._put(Delta(request_id=pending.stream.request_id, token_ids=tokens))
 
     def _finish(self, seq: _Sequence, tokens: list[int] | None = None) -> None:
-        stream, _ = self._streams.pop(seq.seq_id)
+        pending, _ = self._streams.pop(seq.seq_id)
+        stream = pending.stream
         self._running.remove(seq)
         self._free_rows.append(seq.row)
         self.engine._release(seq.seq_id)
@@ -258,7 +284,21 @@ class ServingEngine:
             prompt_tokens=seq.num_prompt, completion_tokens=len(out.token_ids), target_passes=out.num_passes,
             mean_accepted_length=len(out.token_ids) / out.num_passes if out.num_passes else 0.0,
         )
+        version = self._drafter_version()
         stream._put(Delta(
             request_id=stream.request_id, token_ids=tokens or [], finish_reason=out.finish_reason, usage=usage,
-            accepted_lengths=list(out.accepted_lengths), drafter_version=self._drafter_version(),
+            accepted_lengths=list(out.accepted_lengths), drafter_version=version,
         ))
+        if self._on_finish is not None:
+            self._report(FinishedRequest(
+                request_id=stream.request_id, prompt=pending.prompt, output=list(out.token_ids),
+                finish_reason=out.finish_reason, accepted_lengths=list(out.accepted_lengths),
+                drafter_version=version, arrival_time=pending.arrival_time,
+                first_token_time=pending.first_token_time, finish_time=time.monotonic(),
+            ))
+
+    def _report(self, finished: FinishedRequest) -> None:
+        try:
+            self._on_finish(finished)
+        except Exception:  # a broken observer must not stop the serving loop
+            logger.exception("on_finish failed for request %s", finished.request_id)

@@ -14,12 +14,14 @@ One step over a batch of reference trajectories (prompt + the target's own respo
    anchor does not depend on the drafted tokens x_<i, and K branches at one anchor are K
    independent draws from the same per-position q at temperature 1 — no sequential rollout.
    As at serving time (`D3DDrafter.ar_first`), position 0 comes from the auxiliary AR head.
-4. **Proposal tree**: each trajectory's prefix (up to its last anchor) is prefilled into the
-   target's cache, then all its branches become ONE `TokenTree` (`TokenTree.from_paths`, shared
-   prefixes merged) whose roots hang off the cached context at their anchors; one target pass
-   over it (tree mask / indexed state replay / branch-consistent indexer groups, whichever the
-   target is) gives p at every branch position: p_0 = the target after ``tokens[:a]`` (the
-   prefill's logits at a - 1), p_i = the target after ``tokens[:a] + x_<i`` (the tree node of
+4. **Proposal tree**: all of a trajectory's branches become ONE `TokenTree`
+   (`TokenTree.from_paths`, shared prefixes merged) whose roots hang off its prefix (up to its
+   last anchor) at their anchors. A `TreeScorer` runs the target over it: `LocalScorer`
+   prefills each prefix into the target's cache, then makes one pass over all trees (tree mask /
+   indexed state replay / branch-consistent indexer groups, whichever the target is); a remote
+   scorer sends the same trees to verifiers (``Verifier.Score``), so a trainer needs no target
+   of its own. Either gives p at every branch position: p_0 = the target after ``tokens[:a]``
+   (the context row a - 1), p_i = the target after ``tokens[:a] + x_<i`` (the tree node of
    depth i - 1; a branch's last token needs no node).
 5. **Loss**: the drafter gives q on the same contexts *with gradients* in a packed training
    pass (`specd.train.drafter.denoising_batch`: trunk + a mask group at every anchor), and
@@ -36,7 +38,7 @@ import logging
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 import torch
@@ -282,54 +284,111 @@ def proposal_tree(paths: list[tuple[int, list[int]]]) -> tuple[TokenTree, list[l
     return tree, nodes
 
 
+class TreeScorer(Protocol):
+    """The target's side of a SpecOPD step: target distributions over proposal trees.
+
+    `LocalScorer` runs a target module in this process; the trainer service's remote scorer asks
+    verifiers (``Verifier.Score``), so the trainer itself needs no target.
+    """
+
+    vocab_size: int
+    """The target's vocabulary: every id sent and every distribution's width."""
+    stop_token_ids: tuple[int, ...]
+    """Tokens that end decoding: a branch supervises up to its first one (`stop_mask`)."""
+
+    def score(self, contexts: list[list[int]], trees: list[TokenTree], context_rows: list[list[int]]) -> list[Tensor]:
+        """Per sequence b, fp32 probabilities ``[len(context_rows[b]) + trees[b].num_nodes, vocab]``.
+
+        Rows are the requested context positions, then the tree's nodes in order; row r is the
+        target's distribution of the token that follows it. ``trees[b]`` hangs off
+        ``contexts[b]`` (every anchor ``<= len(contexts[b])``).
+        """
+        ...
+
+
+class LocalScorer:
+    """`TreeScorer` over a target module in this process: prefill, then ONE packed tree pass.
+
+    ``temperature`` divides the logits before the fp32 softmax (1.0: the raw distribution, what
+    SpecOPD distils).
+    """
+
+    def __init__(self, target: nn.Module, temperature: float = 1.0) -> None:
+        if not temperature > 0.0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.target = target.eval()
+        self.temperature = temperature
+        self.vocab_size: int = target.config.vocab_size
+        self.stop_token_ids: tuple[int, ...] = tuple(target.config.stop_token_ids)
+
+    @torch.no_grad()
+    def score(self, contexts: list[list[int]], trees: list[TokenTree], context_rows: list[list[int]]) -> list[Tensor]:
+        device = next(self.target.parameters()).device
+        num_seqs = len(contexts)
+        max_nodes = max(tree.num_nodes for tree in trees)
+        cache = self.target.new_cache(num_seqs, capacity=max(len(c) for c in contexts) + max_nodes)
+        prefill = ForwardBatch.causal(contexts, [0] * num_seqs, device)
+        prefill_logits = self.target(prefill, cache)  # [num_seqs, max_context, vocab]
+        cache.commit(prefill, [list(range(len(c))) for c in contexts])
+        tree_logits = None
+        if max_nodes:
+            batch = ForwardBatch.from_trees(trees, cache.lengths, device)
+            tree_logits = self.target(batch, cache)  # [num_seqs, max_nodes, vocab]
+        out = []
+        for b, (rows, tree) in enumerate(zip(context_rows, trees)):
+            logits = prefill_logits[b, torch.as_tensor(rows, dtype=torch.long, device=device)]
+            if tree.num_nodes:
+                logits = torch.cat([logits, tree_logits[b, : tree.num_nodes]])
+            logits = logits.float()  # [len(rows) + num_nodes, vocab]
+            if self.temperature != 1.0:
+                logits = logits / self.temperature
+            out.append(logits.softmax(-1))
+        return out
+
+
+def as_scorer(target: nn.Module | TreeScorer) -> TreeScorer:
+    """A target module wrapped in `LocalScorer`; a scorer as it is."""
+    return LocalScorer(target) if isinstance(target, nn.Module) else target
+
+
 @torch.no_grad()
 def score_branches(
-    target: nn.Module,
+    scorer: TreeScorer | nn.Module,
     prefixes: list[list[int]],
     anchors: list[list[int]],
     branches: Tensor,  # [num_groups, num_branches, block] in the order of ``anchors``
 ) -> Tensor:
     """p at every branch position ``[num_groups * num_branches, block, vocab]``, fp32.
 
-    Prefill each prefix, then ONE pass over one proposal tree per trajectory (see the module
-    docstring). Row ``g * num_branches + k`` is branch k of group g; position i is the target
-    after the group's reference prefix and the branch's first i tokens.
+    One proposal tree per trajectory, scored in one call (see the module docstring). Row
+    ``g * num_branches + k`` is branch k of group g; position i is the target after the group's
+    reference prefix and the branch's first i tokens.
     """
-    device = next(target.parameters()).device
+    scorer = as_scorer(scorer)
     num_groups, num_branches, block = branches.shape
-    num_seqs = len(prefixes)
-    cache = target.new_cache(num_seqs, capacity=max(len(p) for p in prefixes) + num_groups * num_branches * block)
-    prefill = ForwardBatch.causal(prefixes, [0] * num_seqs, device)
-    prefill_logits = target(prefill, cache)  # [num_seqs, max_prefix, vocab]
-    cache.commit(prefill, [list(range(len(p))) for p in prefixes])
-
     branch_lists = branches.tolist()
-    seq_of, anchor_of, groups_of_seq = [], [], [[] for _ in range(num_seqs)]
-    for b, row in enumerate(anchors):
-        for a in row:
-            groups_of_seq[b].append(len(seq_of))
-            seq_of.append(b)
-            anchor_of.append(a)
-    # Where each (branch, position i >= 1) reads p: the tree node of its first i tokens.
-    node_of = torch.zeros(num_groups, num_branches, max(block - 1, 1), dtype=torch.long)
-    trees = []
-    for b in range(num_seqs):
-        paths = [(anchor_of[g], branch_lists[g][k][: block - 1]) for g in groups_of_seq[b] for k in range(num_branches)]
+    # Rows of the scorer's output, concatenated over sequences: each sequence's context rows
+    # (anchor - 1 per group: p_0), then its tree's nodes (p_i, i >= 1, at the node of x_<i).
+    first_row: list[int] = []
+    node_row = torch.zeros(num_groups, num_branches, max(block - 1, 1), dtype=torch.long)
+    trees, offset, group = [], 0, 0
+    for row in anchors:
+        groups = range(group, group + len(row))
+        paths = [(a, branch_lists[g][k][: block - 1]) for g, a in zip(groups, row) for k in range(num_branches)]
         tree, nodes = proposal_tree(paths)
         trees.append(tree)
+        first_row.extend(range(offset, offset + len(row)))
         for j, mine in enumerate(nodes):
             if mine:
-                g, k = groups_of_seq[b][j // num_branches], j % num_branches
-                node_of[g, k, : len(mine)] = torch.tensor(mine)
-    seq_index = torch.tensor(seq_of, device=device)
-    first = prefill_logits[seq_index, torch.tensor(anchor_of, device=device) - 1]  # [num_groups, vocab]
-    logits = first[:, None, None].expand(num_groups, num_branches, 1, -1)
+                node_row[groups[j // num_branches], j % num_branches, : len(mine)] = offset + len(row) + torch.tensor(mine)
+        offset += len(row) + tree.num_nodes
+        group += len(row)
+    probs = torch.cat(scorer.score(prefixes, trees, [[a - 1 for a in row] for row in anchors]))  # [rows, vocab]
+    first = probs[torch.tensor(first_row, device=probs.device)]  # [num_groups, vocab]
+    out = first[:, None, None].expand(num_groups, num_branches, 1, -1)
     if block > 1:
-        batch = ForwardBatch.from_trees(trees, cache.lengths, device)
-        tree_logits = target(batch, cache)  # [num_seqs, max_nodes, vocab]
-        rest = tree_logits[seq_index[:, None, None], node_of.to(device)]  # [num_groups, K, block - 1, vocab]
-        logits = torch.cat([logits, rest], dim=2)
-    return logits.float().softmax(-1).flatten(0, 1)
+        out = torch.cat([out, probs[node_row.to(probs.device)]], dim=2)  # [num_groups, K, block, vocab]
+    return out.flatten(0, 1)
 
 
 def stop_mask(tokens: Tensor, stop_token_ids: Sequence[int]) -> Tensor:
@@ -346,16 +405,27 @@ class DrafterDistiller:
 
     Subclasses say where branches and p come from (`supervise`); everything else is common, so the
     methods differ in exactly that and are compared fairly.
+
+    ``target`` is a target module (wrapped in `LocalScorer`) or any `TreeScorer` (e.g. verifiers
+    over gRPC). ``self.target`` is the module, or None with a scorer: only a subclass that says
+    ``needs_target = False`` (SpecOPD) works without a local target; the baselines decode or run
+    causal passes with it.
     """
 
-    def __init__(self, target: nn.Module, drafter: D3DModel, config: SpecOPDConfig | None = None,
+    needs_target = True
+
+    def __init__(self, target: nn.Module | TreeScorer, drafter: D3DModel, config: SpecOPDConfig | None = None,
                  optimizer: torch.optim.Optimizer | None = None) -> None:
-        if drafter.config.vocab_size != target.config.vocab_size:
+        if self.needs_target and not isinstance(target, nn.Module):
+            raise TypeError(f"{type(self).__name__} needs a local target module, got {type(target).__name__}; "
+                            "only SpecOPDTrainer scores through a TreeScorer")
+        self.scorer = as_scorer(target)
+        if drafter.config.vocab_size != self.scorer.vocab_size:
             raise ValueError(
                 f"the drafter's vocabulary ({drafter.config.vocab_size}) differs from the target's "
-                f"({target.config.vocab_size}): they must share one tokenizer"
+                f"({self.scorer.vocab_size}): they must share one tokenizer"
             )
-        self.target = target.eval()
+        self.target = target.eval() if isinstance(target, nn.Module) else None
         self.drafter = drafter
         self.config = config or SpecOPDConfig()
         drafter.config.group_size_for(self.config.block_size)  # raises when the block cannot be drafted
@@ -374,7 +444,7 @@ class DrafterDistiller:
     def step(self, trajectories: Sequence[Trajectory]) -> StepResult:
         """One optimizer step on a batch; bad trajectories are skipped and counted, never raised."""
         config = self.config
-        kept, skipped = screen(trajectories, self.target.config.vocab_size, config.max_context, config.block_size)
+        kept, skipped = screen(trajectories, self.scorer.vocab_size, config.max_context, config.block_size)
         self.skipped.update(skipped)
         supervision = self.supervise(kept) if kept else None
         result = self.train_on(supervision)
@@ -417,12 +487,14 @@ class DrafterDistiller:
             accepted = expected_accepted_length(acceptance_probs(target_probs, logits.detach()), valid)
         return loss, float(accepted.mean())
 
-    def _anchors(self, trajectories: list[Trajectory]) -> tuple[list[Trajectory], list[list[int]]]:
-        """Anchors per trajectory (from the seeded generator); a trajectory with none is skipped."""
+    def _anchors(self, trajectories: list[Trajectory], rng: np.random.Generator | None = None
+                 ) -> tuple[list[Trajectory], list[list[int]]]:
+        """Anchors per trajectory (from ``rng``, default the trainer's); a trajectory with none is skipped."""
         config = self.config
+        rng = self.rng if rng is None else rng
         kept, anchors = [], []
         for trajectory in trajectories:
-            row = choose_anchors(trajectory, config.anchors_per_seq, config.block_size, config.max_context, self.rng)
+            row = choose_anchors(trajectory, config.anchors_per_seq, config.block_size, config.max_context, rng)
             if row:
                 kept.append(trajectory)
                 anchors.append(row)
@@ -436,20 +508,26 @@ class DrafterDistiller:
 class SpecOPDTrainer(DrafterDistiller):
     """SpecOPD (see the module docstring): branches from the drafter, p from one proposal-tree pass."""
 
-    def supervise(self, trajectories: list[Trajectory]) -> Supervision | None:
+    needs_target = False
+
+    def supervise(self, trajectories: list[Trajectory], *, rng: np.random.Generator | None = None,
+                  generator: torch.Generator | None = None) -> Supervision | None:
+        """Supervision for a screened batch; anchors and branches come from ``rng`` and ``generator``
+        (default: the trainer's own, so a held-out evaluation can pass fixed ones and leave
+        training's random streams untouched)."""
         config = self.config
-        trajectories, anchors = self._anchors(trajectories)
+        trajectories, anchors = self._anchors(trajectories, rng)
         if not trajectories:
             return None
         # Only the prefix up to the last anchor is ever read, by the drafter or the target.
         prefixes = [t.tokens[: max(row)] for t, row in zip(trajectories, anchors)]
         self.drafter.eval()
         branches, _ = sample_branches(self.drafter, prefixes, anchors, config.block_size,
-                                      config.branches_per_anchor, self.generator)
-        target_probs = score_branches(self.target, prefixes, anchors, branches.cpu())
+                                      config.branches_per_anchor, self.generator if generator is None else generator)
+        target_probs = score_branches(self.scorer, prefixes, anchors, branches.cpu())
         tokens = branches.flatten(0, 1)  # [num_groups * K, block]
         group = torch.arange(branches.shape[0]).repeat_interleave(config.branches_per_anchor)
         return Supervision(
             prefixes=prefixes, anchors=anchors, group=group, tokens=tokens, target_probs=target_probs,
-            valid=stop_mask(tokens, self.target.config.stop_token_ids),
+            valid=stop_mask(tokens, self.scorer.stop_token_ids),
         )

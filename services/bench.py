@@ -1,0 +1,259 @@
+"""`specd bench serve`: end to end through the real services, as a client sees them.
+
+For each deployment — plain decoding, synchronous speculation and asynchronous D3D, with
+drafter:verifier ratios 1:1 and 2:1 — it starts the processes (`services.up.Stack`, each pinned
+to its own core where the machine has cores for it), then drives the verifier's HTTP API with a
+closed loop of C concurrent streaming clients (C in 1, 4, 16, 64), each sending held-out zoo
+prompts one after another. It reports output tokens/s, TTFT and TPOT p50/p99 per concurrency,
+and every deployment's tokens/s as a ratio to plain decoding at the same concurrency, measured in
+the same run (the machine is shared and noisy: only ratios travel).
+
+A table, JSON and PNG plots. ``--quick`` runs fewer levels and requests (minutes).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from matplotlib.figure import Figure
+from tqdm import tqdm
+
+from services.client import metrics, stream_completion
+from services.up import Stack, StackConfig
+
+
+@dataclass(kw_only=True)
+class Deployment:
+    name: str
+    drafters: int
+    mode: str = "async"
+
+    @property
+    def speculative(self) -> bool:
+        return self.drafters > 0
+
+
+DEPLOYMENTS = (
+    Deployment(name="plain", drafters=0),
+    Deployment(name="sync 1:1", drafters=1, mode="sync"),
+    Deployment(name="sync 2:1", drafters=2, mode="sync"),
+    Deployment(name="async 1:1", drafters=1, mode="async"),
+    Deployment(name="async 2:1", drafters=2, mode="async"),
+)
+
+
+@dataclass(kw_only=True)
+class ServeSettings:
+    concurrency: tuple[int, ...] = (1, 4, 16, 64)
+    requests_per_level: int = 0
+    """Requests per concurrency level (0 = max(2 x concurrency, 8))."""
+    max_tokens: int = 64
+    block_size: int = 8
+    max_num_seqs: int = 64
+    pin: bool = True
+    deployments: tuple[str, ...] = tuple(d.name for d in DEPLOYMENTS)
+
+    def requests(self, concurrency: int) -> int:
+        return self.requests_per_level or max(2 * concurrency, 8)
+
+
+@dataclass(kw_only=True)
+class ServeRow:
+    deployment: str
+    concurrency: int
+    requests: int
+    output_tokens: int
+    seconds: float
+    tokens_per_s: float
+    ttft_p50: float
+    ttft_p99: float
+    tpot_p50: float
+    tpot_p99: float
+    tau: float = 1.0
+    hit_rate: float = 0.0
+    blocking_drafter_calls: int = 0
+    target_passes: int = 0
+    speedup: float = 1.0
+    """tokens/s over plain decoding's at the same concurrency, this run."""
+    errors: list[str] = field(default_factory=list)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def prompts(max_prompt_tokens: int = 96) -> list[list[int]]:
+    """Held-out prompts of every domain, interleaved, as token ids."""
+    from specd import zoo
+    from specd.data import load_tokenizer
+
+    tokenizer = load_tokenizer(zoo.tokenizer_dir())
+    per_domain = [[tokenizer.encode(item.prompt).ids[-max_prompt_tokens:] for item in items]
+                  for items in zoo.heldout().values()]
+    return [p for group in zip(*per_domain) for p in group]
+
+
+def run_level(base_url: str, model: str, pool: list[list[int]], concurrency: int, requests: int,
+              max_tokens: int) -> tuple[list, float, list[str]]:
+    """A closed loop of ``concurrency`` clients sending ``requests`` requests in all."""
+    results, errors = [], []
+    lock = threading.Lock()
+    next_index = iter(range(requests))
+
+    def client() -> None:
+        while True:
+            with lock:
+                i = next(next_index, None)
+            if i is None:
+                return
+            body = {"model": model, "prompt": pool[i % len(pool)], "max_tokens": max_tokens, "temperature": 0}
+            try:
+                result = stream_completion(base_url, "/v1/completions", body)
+                with lock:
+                    results.append(result)
+            except OSError as err:
+                with lock:
+                    errors.append(str(err))
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as executor:
+        for future in [executor.submit(client) for _ in range(concurrency)]:
+            future.result()
+    return results, time.perf_counter() - start, errors
+
+
+def bench_serve(settings: ServeSettings, target: str, drafter: str) -> list[ServeRow]:
+    pool = prompts()
+    model = Path(target).name
+    rows: list[ServeRow] = []
+    chosen = [d for d in DEPLOYMENTS if d.name in settings.deployments]
+    progress = tqdm(total=len(chosen) * len(settings.concurrency), desc="bench serve", unit="level")
+    for deployment in chosen:
+        config = StackConfig(target=target, drafter=drafter if deployment.speculative else "",
+                             drafters=deployment.drafters, verifiers=1, trainer=False, mode=deployment.mode,
+                             block_size=settings.block_size, max_num_seqs=settings.max_num_seqs, pin=settings.pin,
+                             verifier_http_port=18000, verifier_grpc_port=51051, drafter_port=51052)
+        with Stack(config) as stack:
+            base = stack.verifiers[0].http
+            run_level(base, model, pool, 1, 2, 8)  # warm up: first passes allocate and fill caches
+            for concurrency in settings.concurrency:
+                progress.set_postfix_str(f"{deployment.name} c={concurrency}")
+                before = metrics(base)
+                results, seconds, errors = run_level(base, model, pool, concurrency,
+                                                     settings.requests(concurrency), settings.max_tokens)
+                after = metrics(base)
+                rows.append(_row(deployment, concurrency, results, seconds, errors, before, after))
+                progress.update()
+    progress.close()
+    plain = {r.concurrency: r.tokens_per_s for r in rows if r.deployment == "plain"}
+    for row in rows:
+        if plain.get(row.concurrency):
+            row.speedup = row.tokens_per_s / plain[row.concurrency]
+    return rows
+
+
+def _row(deployment: Deployment, concurrency: int, results: list, seconds: float, errors: list[str],
+         before: dict, after: dict) -> ServeRow:
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    tokens = sum(r.completion_tokens for r in results)
+    ttfts = [r.ttft for r in results if r.ttft is not None]
+    tpots = [(r.seconds - r.ttft) / (r.completion_tokens - 1) for r in results
+             if r.ttft is not None and r.completion_tokens > 1]
+    drafts = delta("specd:spec_decode_num_drafts_total")
+    lookups = delta("specd:spec_decode_num_candidate_lookups_total")
+    return ServeRow(
+        deployment=deployment.name, concurrency=concurrency, requests=len(results), output_tokens=tokens,
+        seconds=seconds, tokens_per_s=tokens / seconds if seconds else 0.0,
+        ttft_p50=_percentile(ttfts, 0.5), ttft_p99=_percentile(ttfts, 0.99),
+        tpot_p50=_percentile(tpots, 0.5), tpot_p99=_percentile(tpots, 0.99),
+        tau=delta("specd:spec_decode_num_accepted_tokens_total") / drafts + 1 if drafts else 1.0,
+        hit_rate=delta("specd:spec_decode_num_candidate_hits_total") / lookups if lookups else 0.0,
+        blocking_drafter_calls=int(delta("specd:num_drafter_blocking_calls_total")),
+        target_passes=int(delta("specd:num_target_passes_total")), errors=errors,
+    )
+
+
+def format_table(rows: list[ServeRow]) -> str:
+    head = (f"{'deployment':<11}{'conc':>5}{'reqs':>5}{'tok/s':>8}{'vs plain':>9}{'tau':>6}{'hit':>6}"
+            f"{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}{'errors':>7}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r.deployment:<11}{r.concurrency:>5}{r.requests:>5}{r.tokens_per_s:>8.1f}{r.speedup:>8.2f}x"
+            f"{r.tau:>6.2f}{r.hit_rate:>6.0%}{r.ttft_p50 * 1e3:>8.0f}ms{r.ttft_p99 * 1e3:>6.0f}ms"
+            f"{r.tpot_p50 * 1e3:>8.1f}ms{r.tpot_p99 * 1e3:>6.1f}ms{len(r.errors):>7}"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[ServeRow], out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for metric, label, name in (("tokens_per_s", "output tokens/s", "serve_throughput.png"),
+                                ("speedup", "tokens/s vs plain (same run)", "serve_speedup.png"),
+                                ("tpot_p50", "TPOT p50 (s)", "serve_tpot.png")):
+        fig = Figure(figsize=(6, 4))
+        ax = fig.subplots()
+        for deployment in dict.fromkeys(r.deployment for r in rows):
+            mine = [r for r in rows if r.deployment == deployment]
+            ax.plot([r.concurrency for r in mine], [getattr(r, metric) for r in mine], marker="o", label=deployment)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(label)
+        ax.set_title(f"specd bench serve: {label}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=110)
+        paths.append(out_dir / name)
+    return paths
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--quick", action="store_true", help="concurrency 1, 4, 16 and fewer requests (minutes)")
+    parser.add_argument("--concurrency", default="", help="comma-separated levels (default 1,4,16,64)")
+    parser.add_argument("--deployments", default="", help=f"subset of: {', '.join(d.name for d in DEPLOYMENTS)}")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--target", default="", help="target directory (default: the zoo's qwen3-tiny)")
+    parser.add_argument("--drafter", default="", help="drafter directory (default: the zoo's d3d-qwen3-tiny)")
+    parser.add_argument("--no-pin", action="store_true", help="do not pin services to cores")
+    parser.add_argument("--out", default="out/bench", help="directory for plots and JSON")
+    parser.add_argument("--json", default=None, help="JSON path (default OUT/serve.json)")
+
+
+def run(args) -> int:
+    from services.up import _zoo_model
+
+    settings = ServeSettings(pin=not args.no_pin, max_tokens=args.max_tokens)
+    if args.quick:
+        settings.concurrency, settings.requests_per_level = (1, 4, 16), 16
+    if args.concurrency:
+        settings.concurrency = tuple(int(c) for c in args.concurrency.split(","))
+    if args.deployments:
+        names = tuple(n.strip() for n in args.deployments.split(","))
+        unknown = sorted(set(names) - {d.name for d in DEPLOYMENTS})
+        if unknown:
+            raise ValueError(f"unknown deployments {unknown}; choose from {[d.name for d in DEPLOYMENTS]}")
+        settings.deployments = ("plain", *[n for n in names if n != "plain"])  # plain is the baseline
+    target = args.target or _zoo_model("qwen3-tiny")
+    drafter = args.drafter or _zoo_model("d3d-qwen3-tiny")
+    rows = bench_serve(settings, target, drafter)
+    print(format_table(rows))
+    out_dir = Path(args.out)
+    json_path = Path(args.json) if args.json else out_dir / "serve.json"
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps({"settings": asdict(settings), "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
+    for path in plot(rows, out_dir):
+        print(f"wrote {path}")
+    print(f"wrote {json_path}")
+    return 0
+

@@ -1,0 +1,473 @@
+"""The drafter service: one `D3DDrafter` behind ``specd.v1.Drafter``.
+
+Design choices:
+
+- **Contexts are the service's, caches are the drafter's.** The servicer keeps each sequence's
+  committed context (token ids) under its ``seq_id``; a request carries only the new tail
+  (``SequenceContext.context_start`` + ``tokens``). When the replica does not hold the first
+  ``context_start`` tokens (it never saw the sequence, evicted it, or restarted) it names the
+  sequence in ``resend`` and the verifier sends the whole context again. Seq ids are unique
+  across verifiers (they draw them at random, 63-bit), so one replica serves many verifiers.
+- **At most ``max_num_seqs`` sequences**, least recently used evicted first (its cache row is
+  released); an evicted sequence costs one resend, never a failed call.
+- **One packed pass at a time.** One lock covers the contexts and the drafter: a Draft call is one
+  `D3DDrafter.draft` over all its items, each Speculate message one `D3DDrafter.speculate`.
+  Concurrent callers queue on the lock (merging their passes is future work).
+- **Weight swaps without dropping anything.** `DrafterServicer.swap_weights` loads the new
+  checkpoint outside the lock, then swaps in a fresh `D3DDrafter` under it. The old drafter's KV
+  caches belong to the old weights, so they go; the stored contexts stay, so the next call of each
+  sequence re-prefills from its full context transparently (its candidates miss once). A checkpoint
+  that does not load, or is not a compatible D3D drafter, is refused and the old weights keep
+  serving. `services.drafter.weights.WeightWatcher` drives swaps from the trainer's versions.
+- **Bad input is INVALID_ARGUMENT** with the item and the reason; the replica keeps serving. Calls
+  before the weights are loaded are UNAVAILABLE (health is NOT_SERVING until then).
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import threading
+from collections import OrderedDict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence, TypeVar
+
+import grpc
+import prometheus_client
+import redis
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.common.config import ServiceConfig, parse_config
+from services.common.server import GrpcServer, abort, open_channel
+from services.common.telemetry import get_tracer, start_metrics_server
+from services.common.wire import block_to_proto, params_from_proto
+from services.drafter.weights import WeightWatcher
+from specd._proto.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, trainer_pb2_grpc
+from specd.drafters.base import DraftRequest, SpeculateRequest, check_block_size
+from specd.drafters.d3d import D3DDrafter
+from specd.models.d3d import D3DModel
+from specd.models.loading import ModelLoadError, load_model
+from specd.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name  # "specd.v1.Drafter"
+
+T = TypeVar("T")
+
+
+@dataclass(kw_only=True)
+class DrafterConfig(ServiceConfig):
+    """A D3D drafter replica (flags --kebab-name, environment SPECD_<NAME>)."""
+
+    model: str = field(metadata={"help": "directory of a D3D drafter checkpoint (Hugging Face layout)"})
+    port: int = field(default=50052, metadata={"help": "gRPC port (0 = a free one)"})
+    max_num_seqs: int = field(
+        default=64, metadata={"help": "sequences held at once (cache rows); the least recently used is evicted"}
+    )
+    max_budget: int = field(default=32, metadata={"help": "most outcomes (k, c) one Speculate item may ask for"})
+    device: str = field(default="cpu", metadata={"help": "torch device of the drafter (cpu, cuda, cuda:1, ...)"})
+    threads: int = field(default=1, metadata={"help": "torch intra-op threads (0 = torch's default, from OMP_NUM_THREADS)"})
+    trainer: str = field(default="", metadata={"help": "trainer address for GetCheckpoint (empty = no weight updates)"})
+    redis_url: str = field(
+        default="", metadata={"help": "Redis holding the live drafter version, e.g. redis://redis:6379/0 (empty = none)"}
+    )
+    version: str = field(default="initial", metadata={"help": "version name of the weights in --model"})
+    version_key: str = field(
+        default="specd:drafter:live", metadata={"help": 'Redis key of the live version: {"version": ..., "sha256": {file: hex}}'}
+    )
+    version_channel: str = field(
+        default="specd:drafter:updates", metadata={"help": "Redis pub/sub channel hinting that the live version changed"}
+    )
+    poll_seconds: float = field(default=5.0, metadata={"help": "re-read the live version this often (pub/sub is only a hint)"})
+    checkpoint_dir: str = field(
+        default="",
+        metadata={"help": "the drafter's own directory for fetched versions; older ones in it are deleted (empty = a temporary one)"},
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.model:
+            raise ValueError("model is empty: give --model DIR (a D3D drafter checkpoint directory)")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_budget < 0:
+            raise ValueError(f"max_budget must be >= 0, got {self.max_budget}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0 = torch's default), got {self.threads}")
+        if bool(self.trainer) != bool(self.redis_url):
+            raise ValueError(
+                "weight updates need both --trainer (where to fetch versions) and --redis-url (which "
+                f"version is live); got trainer={self.trainer!r}, redis_url={self.redis_url!r}"
+            )
+        if self.poll_seconds <= 0:
+            raise ValueError(f"poll_seconds must be > 0, got {self.poll_seconds}")
+
+
+class DrafterMetrics:
+    """The drafter's Prometheus metrics (vLLM-style names with a ``specd:`` prefix).
+
+    ``registry`` is the process's default one in ``main``; tests give each servicer its own so
+    several servicers can live in one process.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry = CollectorRegistry() if registry is None else registry
+        self.passes = Counter("specd:drafter_passes", "Packed drafter passes (one per Draft call or Speculate message)", registry=registry)
+        self.pass_seconds = Histogram("specd:drafter_pass_seconds", "Seconds per packed drafter pass", registry=registry)
+        self.sequences = Gauge("specd:drafter_sequences", "Sequences whose context this replica holds", registry=registry)
+        self.weight_version = Gauge(
+            "specd:drafter_weight_version", "1 for the weight version this replica serves", ["version"], registry=registry
+        )
+        self.weight_swaps = Counter("specd:drafter_weight_swaps", "Weight versions swapped in while serving", registry=registry)
+        self.weight_refused = Counter(
+            "specd:drafter_weight_refused", "Weight versions refused (failed sha256 verification or loading)", registry=registry
+        )
+        self.evictions = Counter("specd:drafter_evictions", "Sequences evicted (least recently used) to make room", registry=registry)
+        self.resends = Counter("specd:drafter_resends", "Sequences the verifier was asked to resend in full", registry=registry)
+
+
+@dataclass(kw_only=True, slots=True)
+class _Item:
+    """One checked item of a Draft or Speculate request (the context still a delta)."""
+
+    seq_id: int
+    context_start: int
+    tokens: list[int]  # the context from context_start on
+    params: SamplingParams
+    block_size: int
+    block: list[int] = field(default_factory=list)  # Speculate: the block under verification
+    budget: int = 0  # Speculate: outcomes to draft for
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
+    """``specd.v1.Drafter`` over one `D3DDrafter` (see the module docstring).
+
+    Weights are installed with `swap_weights` (the first call loads them; until then every call is
+    UNAVAILABLE).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_num_seqs: int = 64,
+        max_budget: int = 32,
+        device: str | torch.device = "cpu",
+        metrics: DrafterMetrics | None = None,
+    ) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.max_budget = max_budget
+        self.device = torch.device(device)
+        self.metrics = metrics or DrafterMetrics()
+        self.drafter: D3DDrafter | None = None
+        self.version = ""
+        self._contexts: OrderedDict[int, list[int]] = OrderedDict()  # seq_id -> context, least recent first
+        # Blocks the drafter returned per sequence in its last call (as `D3DDrafter` keeps them):
+        # see `_drafts_candidates`.
+        self._returned: dict[int, list[list[int]]] = {}
+        self._lock = threading.Lock()
+        self._tracer = get_tracer(__name__)
+
+    # ------------------------------------------------------------------ weights
+    def swap_weights(self, directory: str | Path, version: str) -> None:
+        """Serve the D3D checkpoint in ``directory`` as ``version`` from the next pass on.
+
+        Loading happens outside the lock (passes go on meanwhile); the swap itself drops the old
+        drafter's caches but keeps every sequence's context (module docstring). ModelLoadError
+        (a ValueError), logged and counted as refused, when the checkpoint does not load or does
+        not fit the weights being served; the old weights then stay.
+        """
+        try:
+            model = load_model(directory, device=self.device)
+            self._check_compatible(model, directory)
+        except ModelLoadError as err:
+            self.metrics.weight_refused.inc()
+            logger.error("refusing drafter version %r from %s: %s; still serving %r", version, directory, err, self.version)
+            raise
+        drafter = D3DDrafter(model, max_num_seqs=self.max_num_seqs, device=self.device)
+        with self._lock:
+            first = self.drafter is None
+            self.drafter, self.version = drafter, version
+            self._returned.clear()
+        self.metrics.weight_version.clear()
+        self.metrics.weight_version.labels(version=version).set(1)
+        if not first:
+            self.metrics.weight_swaps.inc()
+        logger.info("drafter serving version %r from %s", version, directory)
+
+    def _check_compatible(self, model: object, directory: str | Path) -> None:
+        if not isinstance(model, D3DModel) or model.config.target_hidden_size:
+            raise ModelLoadError(
+                f"{directory} holds a {type(model).__name__}, not a D3D drafter (a D3DModel that reads no "
+                "target hidden states): point the drafter service at a D3D checkpoint"
+            )
+        current = self.drafter
+        if current is None:
+            return
+        new_max_block = max(model.config.group_sizes) - 1
+        if (model.config.vocab_size, new_max_block) != (current.vocab_size, current.max_block):
+            raise ModelLoadError(
+                f"{directory}: vocab_size {model.config.vocab_size} / max_block {new_max_block} differ from the "
+                f"served {current.vocab_size} / {current.max_block}; verifiers rely on both, so a new version must keep them"
+            )
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences whose context this replica holds."""
+        with self._lock:
+            return len(self._contexts)
+
+    # ------------------------------------------------------------------ RPCs
+    def Draft(self, request: drafter_pb2.DraftRequest, context: grpc.ServicerContext) -> drafter_pb2.DraftResponse:
+        drafter = self._serving(context)
+        with _bad_input_is_invalid_argument(context):
+            items = [
+                self._parse(i, item.context if item.HasField("context") else None, item.block_size, drafter)
+                for i, item in enumerate(request.items)
+            ]
+        self._check_batch(items, context)
+        with self._lock:
+            drafter = self._serving(context)
+            contexts = self._admit(items)
+            live = [(item, tokens) for item, tokens in zip(items, contexts) if tokens is not None]
+            requests = [
+                DraftRequest(seq_id=item.seq_id, context=tokens, block_size=item.block_size, params=item.params)
+                for item, tokens in live
+            ]
+            drafted = self._pass("draft", lambda: drafter.draft(requests), len(requests)) if requests else []
+            for asked, block in zip(requests, drafted):
+                self._returned[asked.seq_id] = [block.tokens]
+            blocks = iter(drafted)
+            version = self.version
+        return drafter_pb2.DraftResponse(
+            blocks=[block_to_proto(next(blocks)) if tokens is not None else common_pb2.DraftBlock() for tokens in contexts],
+            resend=[item.seq_id for item, tokens in zip(items, contexts) if tokens is None],
+            drafter_version=version,
+        )
+
+    def Speculate(
+        self, request_iterator: Iterator[drafter_pb2.SpeculateRequest], context: grpc.ServicerContext
+    ) -> Iterator[drafter_pb2.SpeculateResponse]:
+        for request in request_iterator:
+            yield self._speculate(request, context)
+
+    def _speculate(self, request: drafter_pb2.SpeculateRequest, context: grpc.ServicerContext) -> drafter_pb2.SpeculateResponse:
+        drafter = self._serving(context)
+        with _bad_input_is_invalid_argument(context):
+            items = []
+            for i, message in enumerate(request.items):
+                item = self._parse(i, message.context if message.HasField("context") else None, message.block_size, drafter)
+                item.block, item.budget = list(message.block), message.budget
+                self._check_block(i, item, drafter)
+                items.append(item)
+        self._check_batch(items, context)
+        with self._lock:
+            drafter = self._serving(context)
+            contexts = self._admit(items)
+            requests = [
+                SpeculateRequest(
+                    seq_id=item.seq_id, context=tokens, block=item.block, block_size=item.block_size,
+                    budget=item.budget, params=item.params,
+                )
+                for item, tokens in zip(items, contexts)
+                if tokens is not None
+            ]
+            if any(self._drafts_candidates(asked) for asked in requests):
+                speculated = self._pass("speculate", lambda: drafter.speculate(requests), len(requests))
+            else:
+                speculated = [{} for _ in requests]
+            for asked, candidates in zip(requests, speculated):
+                self._returned[asked.seq_id] = [block.tokens for block in candidates.values()]
+            results = iter(speculated)
+            version = self.version
+        response = drafter_pb2.SpeculateResponse(step=request.step, drafter_version=version)
+        for item, tokens in zip(items, contexts):
+            sequence = response.sequences.add(seq_id=item.seq_id)
+            if tokens is None:
+                response.resend.append(item.seq_id)
+                continue
+            sequence.base_len = len(tokens)
+            for (accepted, token), block in next(results).items():
+                sequence.candidates.add(accepted=accepted, token=token, block=block_to_proto(block))
+        return response
+
+    def Release(self, request: drafter_pb2.ReleaseRequest, context: grpc.ServicerContext) -> drafter_pb2.ReleaseResponse:
+        with self._lock:
+            for seq_id in request.seq_ids:
+                self._forget(seq_id)
+            self.metrics.sequences.set(len(self._contexts))
+        return drafter_pb2.ReleaseResponse()
+
+    def Info(self, request: drafter_pb2.InfoRequest, context: grpc.ServicerContext) -> drafter_pb2.InfoResponse:
+        with self._lock:
+            drafter = self._serving(context)
+            return drafter_pb2.InfoResponse(
+                vocab_size=drafter.vocab_size, max_block=drafter.max_block,
+                drafter_version=self.version, max_num_seqs=self.max_num_seqs,
+            )
+
+    # ------------------------------------------------------------------ helpers
+    def _serving(self, context: grpc.ServicerContext) -> D3DDrafter:
+        drafter = self.drafter
+        if drafter is None:
+            abort(context, grpc.StatusCode.UNAVAILABLE, "the drafter is still loading its weights: wait for health SERVING")
+        return drafter
+
+    def _parse(
+        self, index: int, sequence: drafter_pb2.SequenceContext | None, block_size: int, drafter: D3DDrafter
+    ) -> _Item:
+        """Check one item's context and block size; ValueError saying which item and what is wrong."""
+        if sequence is None:
+            raise ValueError(f"item {index} has no context: every item needs a SequenceContext")
+        where = f"item {index} (seq {sequence.seq_id})"
+        if not sequence.HasField("params"):
+            raise ValueError(f"{where} has no params: send the request's SamplingParams with every item")
+        tokens = list(sequence.tokens)
+        if sequence.context_start == 0 and not tokens:
+            raise ValueError(f"{where}: the context is empty; send at least the prompt's tokens")
+        _check_ids(tokens, drafter.vocab_size, f"{where}: context")
+        try:
+            check_block_size(block_size, drafter.max_block)
+            params = params_from_proto(sequence.params)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+        return _Item(
+            seq_id=sequence.seq_id, context_start=sequence.context_start, tokens=tokens, params=params, block_size=block_size
+        )
+
+    def _check_block(self, index: int, item: _Item, drafter: D3DDrafter) -> None:
+        where = f"item {index} (seq {item.seq_id})"
+        if len(item.block) > drafter.max_block:
+            raise ValueError(f"{where}: the block under verification has {len(item.block)} tokens, above max_block {drafter.max_block}")
+        _check_ids(item.block, drafter.vocab_size, f"{where}: block")
+        if item.budget > self.max_budget:
+            raise ValueError(f"{where}: budget {item.budget} is above this replica's max_budget {self.max_budget}")
+
+    def _check_batch(self, items: Sequence[_Item], context: grpc.ServicerContext) -> None:
+        seen: set[int] = set()
+        for item in items:
+            if item.seq_id in seen:
+                abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"seq {item.seq_id} appears twice in one request: send each sequence once")
+            seen.add(item.seq_id)
+        if len(items) > self.max_num_seqs:
+            abort(
+                context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"one request names {len(items)} sequences but this replica holds at most {self.max_num_seqs}: "
+                "split the request over replicas or raise --max-num-seqs",
+            )
+
+    def _admit(self, items: Sequence[_Item]) -> list[list[int] | None]:
+        """Each item's full context, or None when it must be resent; stores the contexts (LRU).
+
+        Called under the lock. Evicts the least recently used sequences not in this request
+        until everything fits in ``max_num_seqs``.
+        """
+        contexts: list[list[int] | None] = []
+        for item in items:
+            held = self._contexts.get(item.seq_id)
+            if item.context_start == 0:
+                contexts.append(item.tokens)
+            elif held is not None and len(held) >= item.context_start:
+                contexts.append(held[: item.context_start] + item.tokens)
+            else:
+                contexts.append(None)
+        wanted = {item.seq_id for item, tokens in zip(items, contexts) if tokens is not None}
+        num_new = len(wanted - self._contexts.keys())
+        while len(self._contexts) + num_new > self.max_num_seqs:
+            victim = next(seq_id for seq_id in self._contexts if seq_id not in wanted)
+            self._forget(victim)
+            self.metrics.evictions.inc()
+        for item, tokens in zip(items, contexts):
+            if tokens is not None:
+                self._contexts[item.seq_id] = tokens
+                self._contexts.move_to_end(item.seq_id)
+        num_resend = len(items) - len(wanted)
+        if num_resend:
+            self.metrics.resends.inc(num_resend)
+        self.metrics.sequences.set(len(self._contexts))
+        return contexts
+
+    def _drafts_candidates(self, request: SpeculateRequest) -> bool:
+        """Whether `D3DDrafter.speculate` drafts any candidate for ``request``: it needs a budget
+        and the block under verification must be (a prefix of) one it returned in its last call.
+
+        Under the lock. A pass with no candidate at all is skipped: `D3DDrafter._run` cannot run
+        zero mask groups (it indexes with an empty float tensor), which happens right after a
+        failover, an eviction or a weight swap, when the replica returned none of the blocks.
+        """
+        if request.budget == 0:
+            return False
+        return any(tokens[: len(request.block)] == request.block for tokens in self._returned.get(request.seq_id, []))
+
+    def _forget(self, seq_id: int) -> None:
+        """Drop a sequence's context and its drafter cache row (under the lock)."""
+        self._contexts.pop(seq_id, None)
+        self._returned.pop(seq_id, None)
+        if self.drafter is not None:
+            self.drafter.release(seq_id)
+
+    def _pass(self, kind: str, run: Callable[[], T], num_seqs: int) -> T:
+        with self._tracer.start_as_current_span(f"drafter.{kind}", attributes={"specd.num_seqs": num_seqs}):
+            with self.metrics.pass_seconds.time():
+                result = run()
+        self.metrics.passes.inc()
+        return result
+
+
+def _check_ids(tokens: Sequence[int], vocab_size: int, what: str) -> None:
+    if tokens and (min(tokens) < 0 or max(tokens) >= vocab_size):
+        bad = [t for t in tokens if not 0 <= t < vocab_size]
+        raise ValueError(f"{what} has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+
+
+@contextmanager
+def _bad_input_is_invalid_argument(context: grpc.ServicerContext) -> Iterator[None]:
+    try:
+        yield
+    except ValueError as err:
+        abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
+
+
+# ---------------------------------------------------------------------- process entry point
+def main(argv: Sequence[str] | None = None) -> None:
+    """Serve one drafter replica until SIGTERM (health NOT_SERVING until the weights are loaded)."""
+    config = parse_config(DrafterConfig, argv, prog="python -m services.drafter")
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    servicer = DrafterServicer(
+        max_num_seqs=config.max_num_seqs, max_budget=config.max_budget, device=config.device,
+        metrics=DrafterMetrics(prometheus_client.REGISTRY),
+    )
+    server = GrpcServer("specd-drafter", config)  # sets up tracing with this service name
+    drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server.server)
+    port = server.start([SERVICE_NAME])
+    if config.metrics_port >= 0:
+        logger.info("metrics on :%d/metrics", start_metrics_server(config.metrics_port))
+    try:
+        servicer.swap_weights(config.model, config.version)
+    except ModelLoadError as err:
+        server.stop(None)
+        raise SystemExit(f"drafter: cannot serve --model {config.model}: {err}") from None
+    with tempfile.TemporaryDirectory(prefix="specd-drafter-") as scratch:
+        watcher = None
+        if config.trainer:
+            watcher = WeightWatcher(
+                servicer,
+                redis.Redis.from_url(config.redis_url),
+                trainer_pb2_grpc.TrainerStub(open_channel(config.trainer, config)),
+                directory=Path(config.checkpoint_dir or scratch),
+                key=config.version_key,
+                channel=config.version_channel,
+                poll_seconds=config.poll_seconds,
+                refused=servicer.metrics.weight_refused,
+            )
+            watcher.start()
+        server.set_serving()
+        print(f"drafter serving on {config.host}:{port} (version {servicer.version})", flush=True)
+        server.wait_for_termination(on_drain=watcher.stop if watcher else None)
+        if watcher is not None:
+            watcher.stop()

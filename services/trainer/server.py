@@ -1,0 +1,419 @@
+"""The SpecOPD trainer service: live traces in, gated drafter versions out.
+
+A loop thread consumes the trace stream (`services.trainer.stream.TraceStream`, a Redis consumer
+group) into a `specd.train.online.OnlineLearner`, which decides everything else:
+
+1. an entry that does not parse goes to the dead-letter stream (and is acknowledged); a trace
+   already trained into these weights is skipped; about one in ``heldout_every`` is held out;
+   the rest queue up into batches;
+2. each full batch is one SpecOPD step. The target's side runs on the verifiers
+   (`services.trainer.scorer.RemoteScorer`, ``--verifiers``) or on a local target (``--target``).
+   No verifier reachable: the batch waits and is retried; the traces stay unacknowledged;
+3. every ``steps_per_version`` steps: save the online checkpoint, THEN acknowledge every trace in
+   it (never before: a crash in between redelivers traces the checkpoint already holds, and the
+   learner skips them), then gate the weights on the held-out traces. A candidate that passes
+   is written under ``checkpoint_dir/versions/<version>``, ``version_key`` is SET to
+   ``{"version", "sha256": {file: hex}}`` and a hint is PUBLISHed on ``version_channel``;
+   drafters pull it with ``GetCheckpoint``. A refused one is counted.
+
+SIGTERM: the gRPC server drains, the loop finishes its current step, saves, acknowledges and exits.
+One trainer replica owns a lineage of drafter weights; the consumer group is what lets a replaced
+pod (a new consumer name) take over its predecessor's unacknowledged traces (``claim_idle_ms``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import socket
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import prometheus_client
+import redis
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from services.common.checkpoints import stream_checkpoint
+from services.common.config import ServiceConfig, parse_config
+from services.common.server import MAX_MESSAGE_BYTES, GrpcServer, abort
+from services.common.telemetry import start_metrics_server
+from services.trainer.scorer import RemoteScorer, ScoreError
+from services.trainer.stream import Entry, TraceStream
+from specd._proto.v1 import trainer_pb2, trainer_pb2_grpc
+from specd.models.d3d import D3DModel
+from specd.models.loading import ModelLoadError, load_model
+from specd.train.online import GateDecision, OnlineConfig, OnlineLearner, Trace
+from specd.train.specopd import LocalScorer, SpecOPDConfig, TreeScorer
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name  # "specd.v1.Trainer"
+
+
+def _consumer_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(kw_only=True)
+class TrainerConfig(ServiceConfig):
+    """The SpecOPD trainer: consumes the trace stream, publishes gated drafter versions."""
+
+    port: int = field(default=50060, metadata={"help": "gRPC port (Status, GetCheckpoint)"})
+    redis_url: str = field(metadata={"help": "Redis holding the trace stream and the live-version key, redis://host:6379/0"})
+    drafter: str = field(metadata={"help": "initial drafter directory (config.json + model.safetensors)"})
+    target: str = field(default="", metadata={"help": "local target directory for scoring; empty = score on --verifiers"})
+    verifiers: list[str] = field(default_factory=list, metadata={
+        "help": "verifier gRPC addresses for Score (comma list, round-robin with failover); one of --target/--verifiers"})
+    top_k: int = field(default=0, metadata={"help": "Score with top-k log-probs instead of full distributions (0 = full)"})
+    stop_token_ids: list[int] = field(default_factory=list, metadata={
+        "help": "the target's stop tokens with --verifiers (a branch supervises up to its first one); "
+                "a local --target says its own"})
+    checkpoint_dir: str = field(default="specd-trainer", metadata={
+        "help": "online checkpoint (online/) and published versions (versions/)"})
+    stream: str = field(default="specd:traces", metadata={"help": "Redis stream of request traces"})
+    group: str = field(default="specd-trainer", metadata={"help": "consumer group on the trace stream"})
+    consumer: str = field(default_factory=_consumer_name, metadata={"help": "consumer name in the group (default hostname-pid)"})
+    dead_stream: str = field(default="specd:traces:dead", metadata={"help": "dead-letter stream for unusable entries"})
+    claim_idle_ms: int = field(default=30000, metadata={
+        "help": "reclaim entries other consumers left unacknowledged this long (XAUTOCLAIM min idle)"})
+    max_deliveries: int = field(default=5, metadata={"help": "an entry delivered more often goes to the dead-letter stream"})
+    block_ms: int = field(default=1000, metadata={"help": "longest wait for new traces per read (the loop's stop latency)"})
+    version_key: str = field(default="specd:drafter:live", metadata={"help": "Redis key holding the live version JSON"})
+    version_channel: str = field(default="specd:drafter:updates", metadata={"help": "pub/sub channel for new-version hints"})
+    batch_size: int = field(default=4, metadata={"help": "traces per SpecOPD step"})
+    steps_per_version: int = field(default=50, metadata={"help": "steps between checkpoints / gated candidate versions"})
+    heldout_every: int = field(default=20, metadata={"help": "about one trace in N (by trace id hash) is held out for the gate"})
+    max_heldout: int = field(default=256, metadata={"help": "held-out traces kept (the newest)"})
+    min_heldout: int = field(default=4, metadata={"help": "held-out traces needed before anything is published"})
+    block_size: int = field(default=8, metadata={"help": "B: tokens per drafted branch (the block the drafters serve)"})
+    anchors_per_seq: int = field(default=8, metadata={"help": "anchors per trace per step"})
+    branches_per_anchor: int = field(default=4, metadata={"help": "K: branches sampled per anchor"})
+    max_context: int = field(default=4096, metadata={"help": "longest trace trained on (prompt + output)"})
+    loss: str = field(default="e2e-tv", metadata={"help": "e2e-tv, kl, tv or hybrid"})
+    lr: float = field(default=3e-4, metadata={"help": "AdamW learning rate"})
+    seed: int = field(default=0, metadata={"help": "seeds anchors, branches and the gate"})
+    threads: int = field(default=1, metadata={"help": "torch CPU threads (0 = torch's default)"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if bool(self.target) == bool(self.verifiers):
+            raise ValueError("set exactly one of --target (a local target directory) and --verifiers "
+                             f"(verifier addresses for Score); got target={self.target!r}, verifiers={self.verifiers}")
+        if self.max_deliveries < 1 or self.claim_idle_ms < 0 or self.block_ms < 1:
+            raise ValueError(f"max_deliveries and block_ms must be >= 1 and claim_idle_ms >= 0, got {self.max_deliveries}, "
+                             f"{self.block_ms} and {self.claim_idle_ms}")
+        self.specopd()  # raises on a bad block size, loss, ...
+        self.online()
+
+    def specopd(self) -> SpecOPDConfig:
+        return SpecOPDConfig(block_size=self.block_size, anchors_per_seq=self.anchors_per_seq,
+                             branches_per_anchor=self.branches_per_anchor, max_context=self.max_context,
+                             loss=self.loss, lr=self.lr, seed=self.seed)
+
+    def online(self) -> OnlineConfig:
+        return OnlineConfig(batch_size=self.batch_size, steps_per_version=self.steps_per_version,
+                            heldout_every=self.heldout_every, max_heldout=self.max_heldout,
+                            min_heldout=self.min_heldout, gate_seed=self.seed)
+
+
+class TrainerMetrics:
+    """The trainer's Prometheus metrics (vLLM-style names, ``specd:`` prefix) on one registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.steps = Counter("specd:trainer_steps", "SpecOPD optimizer steps", registry=registry)
+        self.traces_consumed = Counter("specd:trainer_traces_consumed", "Traces trained on or held out", registry=registry)
+        self.versions_published = Counter("specd:trainer_versions_published", "Drafter versions that passed the gate",
+                                          registry=registry)
+        self.versions_refused = Counter("specd:trainer_versions_refused", "Candidate versions the gate refused",
+                                        registry=registry)
+        self.supervised_tokens = Counter("specd:trainer_supervised_tokens", "Branch positions with a target distribution",
+                                         registry=registry)
+        self.live_version = Gauge("specd:trainer_live_version", "1 for the live drafter version", ["version"],
+                                  registry=registry)
+        self.dead_letters = Counter("specd:trainer_dead_letters", "Trace entries sent to the dead-letter stream",
+                                    registry=registry)
+        self.live_tau = Gauge("specd:trainer_live_tau", "Held-out τ of the live drafter at the last gate", registry=registry)
+        self.candidate_tau = Gauge("specd:trainer_candidate_tau", "Held-out τ of the last candidate", registry=registry)
+
+
+class TrainerService:
+    """The online trainer: learner + trace stream + publishing (module docstring).
+
+    `poll` is one round of the loop (tests drive it directly); `run` repeats it until `stop`.
+    Construction loads the models and the online checkpoint: ValueError (ModelLoadError for a
+    model directory) with what to fix when one of them cannot be used.
+    """
+
+    def __init__(self, config: TrainerConfig, *, client: redis.Redis | None = None,
+                 metrics: TrainerMetrics | None = None) -> None:
+        self.config = config
+        self.client = client or redis.Redis.from_url(config.redis_url, decode_responses=True)
+        self.metrics = metrics or TrainerMetrics(CollectorRegistry())
+        drafter = _load_drafter(config.drafter)
+        self.scorer = self._scorer(config, drafter)
+        self.learner = OnlineLearner(self.scorer, drafter, _load_drafter(config.drafter), Path(config.checkpoint_dir),
+                                     config=config.specopd(), online=config.online())
+        if self.learner.load():
+            logger.info("resumed the online checkpoint at step %d (live version %r)",
+                        self.learner.num_steps, self.learner.counters.live_version or "initial")
+        self._adopt_announced()
+        self.stream = TraceStream(self.client, stream=config.stream, group=config.group, consumer=config.consumer,
+                                  claim_idle_ms=config.claim_idle_ms, max_deliveries=config.max_deliveries,
+                                  dead_stream=config.dead_stream)
+        self.stream.ensure_group()
+        self._queued: list[Entry] = []  # entries of the learner's queued batch, in order
+        self._to_ack: list[str] = []  # entries whose effect the next checkpoint holds
+        self._lock = threading.Lock()  # the learner's models: the loop vs offer()
+        self._stop = threading.Event()
+        if self.learner.counters.live_version:
+            self.metrics.live_version.labels(self.learner.counters.live_version).set(1)
+
+    @staticmethod
+    def _scorer(config: TrainerConfig, drafter: D3DModel) -> TreeScorer:
+        if config.target:
+            return LocalScorer(load_model(config.target))
+        if not config.stop_token_ids:
+            logger.warning("no --stop-token-ids: branches are supervised past the target's stop tokens")
+        return RemoteScorer(config.verifiers, config, config.top_k, vocab_size=drafter.config.vocab_size,
+                            stop_token_ids=config.stop_token_ids)
+
+    def _adopt_announced(self) -> None:
+        """After a crash between publishing a version and saving the checkpoint that records it,
+        the key names a version this trainer wrote but does not know as live: take it back."""
+        raw = self.client.get(self.config.version_key)
+        if raw is None:
+            return
+        try:
+            version = json.loads(raw)["version"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            logger.warning("ignoring the malformed live-version key %s: %.200s", self.config.version_key, raw)
+            return
+        if version != self.learner.counters.live_version and self.learner.adopt(version):
+            logger.info("adopted announced version %s written before the last checkpoint", version)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> None:
+        """Poll until `stop`; Redis or verifier outages are waited out, not raised. On the way out,
+        the traces trained since the last checkpoint are saved and acknowledged."""
+        backoff = 1.0
+        while not self._stop.is_set():
+            try:
+                self.poll()
+                backoff = 1.0
+            except (redis.ConnectionError, redis.TimeoutError, ScoreError) as error:
+                logger.warning("%s; retrying in %.0fs", error, backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 60.0)
+        if self._to_ack or self.learner.num_steps > self.learner.steps_at_version:
+            self.checkpoint()
+
+    def stop(self) -> None:
+        """Ask `run` to return after its current step (it saves and acknowledges first)."""
+        self._stop.set()
+
+    def poll(self, block_ms: int | None = None) -> None:
+        """One round: read entries, hand them to the learner, step on each full batch, and
+        checkpoint, acknowledge, gate and publish when a version is due."""
+        with self._lock:
+            if self.learner.ready:  # a batch whose step failed (verifiers unreachable): retry it first
+                self._step()
+                return
+        count = self.config.batch_size - len(self._queued)
+        held = [e.id for e in self._queued] + self._to_ack
+        entries = self.stream.read(count, self.config.block_ms if block_ms is None else block_ms, held)
+        with self._lock:
+            for entry in entries:
+                self._take(entry)
+            if self.learner.ready:
+                self._step()
+
+    def _take(self, entry: Entry) -> None:
+        try:
+            trace = Trace.from_fields(entry.fields)
+        except ValueError as error:
+            self._dead_letter(entry, str(error))
+            return
+        outcome = self.learner.add(trace)
+        if outcome == "train":
+            self._queued.append(entry)
+        else:
+            self._to_ack.append(entry.id)
+        if outcome != "duplicate":
+            self.metrics.traces_consumed.inc()
+
+    def _dead_letter(self, entry: Entry, reason: str) -> None:
+        self.stream.dead_letter(entry, reason)
+        self.learner.count_dead_letter()
+        self.metrics.dead_letters.inc()
+
+    def _step(self) -> None:
+        try:
+            result = self.learner.step()
+        except ScoreError as error:
+            if error.code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                raise  # unreachable verifiers, auth, deadlines: the batch stays queued; `run` retries it
+            # The verifiers refuse this batch's data: retrying cannot help.
+            for entry in self._queued:
+                self._dead_letter(entry, f"the verifiers refused to score its batch: {error}")
+            self.learner.batch.clear()
+            self._queued.clear()
+            return
+        self._to_ack.extend(entry.id for entry in self._queued)
+        self._queued.clear()
+        self.metrics.steps.inc()
+        self.metrics.supervised_tokens.inc(result.num_supervised_tokens)
+        logger.info("step %d: loss %.4f, %d supervised tokens", self.learner.num_steps, result.loss,
+                    result.num_supervised_tokens)
+        if self.learner.version_due:
+            self.checkpoint()
+            decision = self.learner.judge()
+            self._record(decision)
+            if decision.passed:
+                self._publish(None, decision)
+
+    def checkpoint(self) -> None:
+        """Save the online checkpoint, then acknowledge every trace whose effect it holds."""
+        self.learner.save()
+        self.stream.ack(self._to_ack)
+        logger.info("checkpoint at step %d; acknowledged %d traces", self.learner.num_steps, len(self._to_ack))
+        self._to_ack = []
+
+    # ------------------------------------------------------------------ gating and publishing
+    def offer(self, candidate: D3DModel) -> bool:
+        """Gate ``candidate`` against the live drafter on the held-out traces; publish it iff it
+        passes. (The loop does this with its own weights every ``steps_per_version`` steps.)"""
+        with self._lock:
+            decision = self.learner.judge(candidate)
+            self._record(decision)
+            if decision.passed:
+                self._publish(candidate, decision)
+            return decision.passed
+
+    def publish_checkpoint(self, directory: str | Path) -> bool:
+        """`offer` the drafter saved in ``directory`` (config.json + model.safetensors)."""
+        return self.offer(_load_drafter(directory))
+
+    def _record(self, decision: GateDecision) -> None:
+        logger.info("gate %s: %s", "passed" if decision.passed else "refused", decision.reason)
+        if not math.isnan(decision.candidate_tau):
+            self.metrics.candidate_tau.set(decision.candidate_tau)
+        if not math.isnan(decision.live_tau):
+            self.metrics.live_tau.set(decision.live_tau)
+        if not decision.passed:
+            self.metrics.versions_refused.inc()
+
+    def _publish(self, candidate: D3DModel | None, decision: GateDecision) -> None:
+        published = self.learner.write(candidate)
+        announcement = published.announcement()
+        # The key first: it is the truth; the message is only a hint to re-read it.
+        self.client.set(self.config.version_key, announcement)
+        self.client.publish(self.config.version_channel, announcement)
+        previous = self.learner.counters.live_version
+        self.learner.make_live(published, decision, candidate)
+        if previous:
+            self.metrics.live_version.remove(previous)
+        self.metrics.live_version.labels(published.version).set(1)
+        self.metrics.versions_published.inc()
+        logger.info("published drafter version %s", published.version)
+
+    # ------------------------------------------------------------------ what the servicer reads
+    def status(self) -> trainer_pb2.StatusResponse:
+        counters = self.learner.counters
+        return trainer_pb2.StatusResponse(
+            live_version=counters.live_version, steps=self.learner.num_steps, traces_consumed=counters.traces_consumed,
+            versions_published=counters.versions_published, versions_refused=counters.versions_refused,
+            live_tau=counters.live_tau, last_candidate_tau=counters.last_candidate_tau,
+            supervised_tokens=self.learner.trainer.num_supervised_tokens,
+        )
+
+    def version_dir(self, version: str) -> Path | None:
+        """The directory of published ``version`` ("" = the live one), None when unknown."""
+        return self.learner.version_dir(version or self.learner.counters.live_version)
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
+    """``specd.v1.Trainer`` over a `TrainerService` (UNAVAILABLE until one is attached)."""
+
+    def __init__(self, service: TrainerService | None = None, *, default_chunk_bytes: int = 1 << 20) -> None:
+        self.service = service
+        self.default_chunk_bytes = default_chunk_bytes
+
+    def _ready(self, context: grpc.ServicerContext) -> TrainerService:
+        if self.service is None:
+            abort(context, grpc.StatusCode.UNAVAILABLE, "the trainer is still loading its weights; retry shortly")
+        return self.service
+
+    def Status(self, request: trainer_pb2.StatusRequest, context: grpc.ServicerContext) -> trainer_pb2.StatusResponse:
+        return self._ready(context).status()
+
+    def GetCheckpoint(self, request: trainer_pb2.GetCheckpointRequest,
+                      context: grpc.ServicerContext) -> Iterator[trainer_pb2.CheckpointChunk]:
+        service = self._ready(context)
+        version = request.version or service.learner.counters.live_version
+        if not version:
+            abort(context, grpc.StatusCode.NOT_FOUND, "no drafter version has been published yet")
+        directory = service.version_dir(version)
+        if directory is None:
+            abort(context, grpc.StatusCode.NOT_FOUND,
+                  f"unknown drafter version {version!r}: never published by this trainer, or pruned (it keeps the "
+                  f"newest {service.learner.online.keep_versions}); the live-version key names the current one")
+        chunk_bytes = request.chunk_bytes or self.default_chunk_bytes
+        if chunk_bytes > MAX_MESSAGE_BYTES // 2:
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"chunk_bytes {chunk_bytes} is above {MAX_MESSAGE_BYTES // 2}")
+        try:
+            yield from stream_checkpoint(directory, version, chunk_bytes)
+        except FileNotFoundError as error:
+            abort(context, grpc.StatusCode.NOT_FOUND, f"{error} (pruned since; read the live key again)")
+
+
+def _load_drafter(directory: str | Path) -> D3DModel:
+    model = load_model(directory)
+    if not isinstance(model, D3DModel):
+        raise ModelLoadError(f"{directory} holds a {type(model).__name__}, not a D3D drafter (model_type specd_d3d)")
+    return model
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Train until SIGTERM (health NOT_SERVING until the weights are loaded)."""
+    config = parse_config(TrainerConfig, argv, prog="python -m services.trainer")
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    servicer = TrainerServicer()
+    server = GrpcServer("specd-trainer", config)
+    trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server.server)
+    port = server.start([SERVICE_NAME])
+    if config.metrics_port >= 0:
+        logger.info("metrics on :%d/metrics", start_metrics_server(config.metrics_port))
+    try:
+        service = TrainerService(config, metrics=TrainerMetrics(prometheus_client.REGISTRY))
+    except (ValueError, redis.RedisError) as error:
+        server.stop(None)
+        raise SystemExit(f"trainer: cannot start: {error}") from None
+    servicer.service = service
+    failure: list[BaseException] = []
+
+    def loop() -> None:
+        try:
+            service.run()
+        except BaseException as error:  # the loop is the service: when it dies, the process exits
+            logger.exception("the training loop failed")
+            failure.append(error)
+            server.stop(None)
+
+    thread = threading.Thread(target=loop, name="specd-trainer-loop")
+    thread.start()
+    server.set_serving()
+    print(f"trainer serving on {config.host}:{port} (live version {service.learner.counters.live_version or 'initial'})",
+          flush=True)
+    server.wait_for_termination(on_drain=service.stop)
+    service.stop()
+    thread.join()
+    if failure:
+        raise SystemExit(f"trainer: the training loop failed: {failure[0]!r}")

@@ -1,0 +1,1 @@
+"""The target verifier service (see server.py)."""

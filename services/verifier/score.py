@@ -1,0 +1,135 @@
+"""``Verifier.Score``: tree supervision for the SpecOPD trainer, computed where the target lives.
+
+A request carries proposal trees (one per sequence: the reference context, the tree hanging off
+it, and the context rows whose next-token distribution is wanted too). The handler checks the
+request against the target, runs `specd.train.specopd.LocalScorer` (prefill, then one packed tree
+pass) under the lock the verifier's engine thread also takes for the target, and answers with,
+per sequence, the rows' full fp32 probabilities (``top_k = 0``) or their top-k log-probs and the
+log of the mass outside them (``top_k > 0``: ``k`` ids + ``k`` log-probs + 1 float per row
+instead of ``vocab`` floats).
+
+Bad input never reaches the model: ids outside the vocabulary, a malformed tree, an anchor
+beyond its context or a context row outside it are INVALID_ARGUMENT; a request above the
+handler's size limits (tree nodes, context tokens, answer bytes) is RESOURCE_EXHAUSTED, with the
+limit in the message so the caller can split it or ask for top-k.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+import grpc
+import torch
+from torch import Tensor, nn
+
+from services.common.server import MAX_MESSAGE_BYTES, abort
+from services.common.wire import tensor_to_proto, tree_from_proto
+from specd._proto.v1 import verifier_pb2
+from specd.train.specopd import LocalScorer
+from specd.tree import TokenTree
+
+
+@dataclass(kw_only=True, slots=True)
+class _Sequence:
+    context: list[int]
+    tree: TokenTree
+    rows: list[int]
+
+
+class ScoreHandler:
+    """The Score method's body; the verifier servicer calls it with its request and context.
+
+    ``max_nodes`` and ``max_context_tokens`` bound one request's tree nodes and context tokens
+    (summed over its sequences); ``max_response_bytes`` bounds the answer (at most the gRPC
+    message limit the services are configured with).
+    """
+
+    def __init__(self, target: nn.Module, lock: threading.Lock, *, max_nodes: int = 32768,
+                 max_context_tokens: int = 262144, max_response_bytes: int = MAX_MESSAGE_BYTES - (1 << 20)) -> None:
+        self.target = target
+        self.lock = lock
+        self.vocab_size: int = target.config.vocab_size
+        self.max_nodes = max_nodes
+        self.max_context_tokens = max_context_tokens
+        self.max_response_bytes = max_response_bytes
+
+    def __call__(self, request: verifier_pb2.ScoreRequest, context: grpc.ServicerContext) -> verifier_pb2.ScoreResponse:
+        temperature = self._temperature(request, context)
+        sequences = self._parse(request, context)
+        with self.lock:
+            probs = LocalScorer(self.target, temperature).score(
+                [s.context for s in sequences], [s.tree for s in sequences], [s.rows for s in sequences]
+            )
+        top_k = request.top_k
+        results = [self._result(p.cpu(), top_k) for p in probs]
+        return verifier_pb2.ScoreResponse(results=results)
+
+    # ------------------------------------------------------------------ checks
+    def _temperature(self, request: verifier_pb2.ScoreRequest, context: grpc.ServicerContext) -> float:
+        if not request.HasField("temperature"):
+            return 1.0
+        if not (math.isfinite(request.temperature) and request.temperature > 0.0):
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                  f"temperature must be a finite number > 0 (absent = 1.0), got {request.temperature}")
+        return request.temperature
+
+    def _parse(self, request: verifier_pb2.ScoreRequest, context: grpc.ServicerContext) -> list[_Sequence]:
+        invalid = grpc.StatusCode.INVALID_ARGUMENT
+        if not request.sequences:
+            abort(context, invalid, "ScoreRequest has no sequences: send one ScoreSequence per proposal tree")
+        if request.top_k > self.vocab_size:
+            abort(context, invalid, f"top_k {request.top_k} exceeds the vocabulary ({self.vocab_size}); use 0 for full distributions")
+        num_nodes = sum(len(s.tree.tokens) for s in request.sequences)
+        num_context = sum(len(s.context) for s in request.sequences)
+        num_rows = num_nodes + sum(len(s.context_rows) for s in request.sequences)
+        row_bytes = 4 * self.vocab_size if request.top_k == 0 else 8 * request.top_k + 4
+        exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED
+        if num_nodes > self.max_nodes:
+            abort(context, exhausted, f"{num_nodes} tree nodes in one request, above the limit of {self.max_nodes}: "
+                                      "split the sequences over several requests")
+        if num_context > self.max_context_tokens:
+            abort(context, exhausted, f"{num_context} context tokens in one request, above the limit of "
+                                      f"{self.max_context_tokens}: split the sequences over several requests")
+        if num_rows * row_bytes > self.max_response_bytes:
+            abort(context, exhausted, f"the answer would take {num_rows * row_bytes} bytes ({num_rows} rows), above "
+                                      f"{self.max_response_bytes}: ask for top_k > 0 or send fewer sequences per request")
+        parsed = []
+        for b, sequence in enumerate(request.sequences):
+            where = f"sequence {b}"
+            ids = list(sequence.context)
+            if not ids:
+                abort(context, invalid, f"{where}: empty context; a proposal tree hangs off at least one token")
+            try:
+                tree = tree_from_proto(sequence.tree)
+            except ValueError as error:
+                abort(context, invalid, f"{where}: malformed tree: {error}")
+            for name, values in (("context", ids), ("tree token", sequence.tree.tokens)):
+                bad = next((t for t in values if not 0 <= t < self.vocab_size), None)
+                if bad is not None:
+                    abort(context, invalid, f"{where}: {name} id {bad} is outside the vocabulary [0, {self.vocab_size})")
+            if tree.num_nodes and int(tree.anchors.max()) > len(ids):
+                abort(context, invalid, f"{where}: tree anchor {int(tree.anchors.max())} is beyond its context "
+                                        f"of {len(ids)} tokens (anchors index into the context)")
+            rows = list(sequence.context_rows)
+            bad = next((r for r in rows if not 0 <= r < len(ids)), None)
+            if bad is not None:
+                abort(context, invalid, f"{where}: context row {bad} is outside its context [0, {len(ids)})")
+            parsed.append(_Sequence(context=ids, tree=tree, rows=rows))
+        return parsed
+
+    # ------------------------------------------------------------------ answers
+    @staticmethod
+    def _result(probs: Tensor, top_k: int) -> verifier_pb2.ScoreResult:
+        """``probs`` [rows, vocab] fp32 -> full probabilities, or top-k log-probs + rest log-mass."""
+        if top_k == 0:
+            return verifier_pb2.ScoreResult(probs=tensor_to_proto(probs))
+        top, ids = probs.topk(top_k, dim=-1)  # [rows, k]
+        # The rest mass summed from the other entries (not 1 - Σ top: that cancels catastrophically).
+        rest = probs.scatter(-1, ids, 0.0).sum(-1)  # [rows]
+        return verifier_pb2.ScoreResult(
+            top_ids=tensor_to_proto(ids.to(torch.int32)),
+            top_logprobs=tensor_to_proto(top.log()),
+            rest_logprob=tensor_to_proto(rest.log()),
+        )

@@ -1,0 +1,235 @@
+"""The target verifier service: owns each request, batches sequences, verifies blocks and trees.
+
+One process holds the target model and a `ServingEngine` (continuous batching, lossless
+speculative verification). Drafting comes from drafter replicas over gRPC (`RemoteDrafters`:
+sticky per sequence, balanced by outstanding work, failover, plain decoding when none answers).
+The same engine serves
+
+- gRPC `specd.v1.Verifier/Generate` (server streaming) and `Score` (tree supervision for the
+  trainer, run between engine steps under the target lock);
+- the OpenAI-compatible HTTP API on its own port (`/v1/completions`, `/v1/chat/completions`,
+  `/v1/models`, `/health`, `/metrics`);
+- one trace per finished request to a Redis stream (`TraceWriter`), when a Redis URL is set.
+
+Metrics (Prometheus, on the HTTP port's `/metrics`) are named like vLLM's, prefixed ``specd:``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+from prometheus_client import REGISTRY, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+
+from services.common.config import ServiceConfig, parse_config
+from services.common.server import GrpcServer, abort
+from services.common.telemetry import get_tracer, setup_tracing
+from services.common.wire import params_from_proto
+from services.verifier.drafter_pool import RemoteDrafters
+from services.verifier.http import build_app, serve_http
+from services.verifier.score import ScoreHandler
+from services.verifier.traces import TraceWriter
+from specd._proto.v1 import verifier_pb2, verifier_pb2_grpc
+from specd.data import load_tokenizer
+from specd.engine import EngineConfig
+from specd.models.loading import ModelLoadError, load_model
+from specd.serving import FinishedRequest, ServingEngine
+
+logger = logging.getLogger("specd.verifier")
+
+TTFT = Histogram("specd:time_to_first_token_seconds", "Time from arrival to the first token",
+                 buckets=(0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0))
+TPOT = Histogram("specd:time_per_output_token_seconds", "Mean time per output token after the first",
+                 buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 1.0))
+E2E = Histogram("specd:e2e_request_latency_seconds", "Time from arrival to the last token",
+                buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0))
+
+
+@dataclass(kw_only=True)
+class VerifierConfig(ServiceConfig):
+    model: str = field(default="", metadata={"help": "target model directory (config.json, model.safetensors)"})
+    tokenizer: str = field(default="", metadata={"help": "tokenizer directory (default: the model directory)"})
+    served_model_name: str = field(default="", metadata={"help": "model name of the HTTP API (default: the model directory's name)"})
+    drafters: list[str] = field(default_factory=list, metadata={
+        "help": "drafter addresses, comma-separated host:port or dns:///name:port (empty = plain decoding)"})
+    http_host: str = field(default="127.0.0.1", metadata={"help": "address the HTTP API binds"})
+    http_port: int = field(default=8000, metadata={"help": "port of the OpenAI-compatible HTTP API (-1 = none)"})
+    max_num_seqs: int = field(default=16, metadata={"help": "sequences decoded together"})
+    max_model_len: int = field(default=0, metadata={"help": "longest prompt + output (0 = the model's)"})
+    block_size: int = field(default=8, metadata={"help": "most drafted tokens verified per sequence per pass"})
+    mode: str = field(default="async", metadata={"help": "async: draft during verification (D3D); sync: after"})
+    candidate_budget: int = field(default=4, metadata={"help": "outcomes (k, c) drafted ahead per sequence"})
+    adaptive_block: bool = field(default=True, metadata={"help": "let the cost model shorten blocks"})
+    drafter_timeout: float = field(default=10.0, metadata={"help": "deadline of one drafter call, seconds"})
+    drafter_retry_seconds: float = field(default=2.0, metadata={"help": "pause before retrying a failed drafter"})
+    redis_url: str = field(default="", metadata={"help": "Redis for request traces (empty = none)"})
+    trace_stream: str = field(default="specd:traces", metadata={"help": "Redis stream of request traces"})
+    trace_maxlen: int = field(default=100_000, metadata={"help": "approximate bound of the trace stream"})
+    threads: int = field(default=0, metadata={"help": "torch intra-op threads (0 = torch's default)"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.model:
+            raise ValueError("--model (SPECD_MODEL) is required: the target model directory")
+        if self.port == 0:
+            self.port = 50051
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
+    def __init__(self, engine: ServingEngine, score: ScoreHandler) -> None:
+        self.engine = engine
+        self.score = score
+        self.tracer = get_tracer("specd.verifier")
+
+    def Generate(self, request: verifier_pb2.GenerateRequest, context: grpc.ServicerContext):
+        try:
+            params = params_from_proto(request.params)
+            stream = self.engine.submit(list(request.prompt_token_ids), params, request_id=request.request_id or None)
+        except ValueError as err:
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except RuntimeError as err:  # shutting down
+            abort(context, grpc.StatusCode.UNAVAILABLE, str(err))
+        context.add_callback(stream.cancel)  # the client went away: stop decoding for it
+        with self.tracer.start_as_current_span("generate") as span:
+            span.set_attribute("specd.prompt_tokens", len(request.prompt_token_ids))
+            for delta in stream:
+                message = verifier_pb2.GenerateResponse(request_id=stream.request_id, token_ids=delta.token_ids)
+                if delta.finish_reason is not None:
+                    message.finish_reason = delta.finish_reason
+                    if delta.usage is not None:
+                        message.usage.CopyFrom(verifier_pb2.Usage(
+                            prompt_tokens=delta.usage.prompt_tokens, completion_tokens=delta.usage.completion_tokens,
+                            target_passes=delta.usage.target_passes,
+                            mean_accepted_length=delta.usage.mean_accepted_length,
+                        ))
+                    span.set_attribute("specd.completion_tokens", delta.usage.completion_tokens if delta.usage else 0)
+                yield message
+
+    def Score(self, request: verifier_pb2.ScoreRequest, context: grpc.ServicerContext) -> verifier_pb2.ScoreResponse:
+        with self.tracer.start_as_current_span("score"):
+            return self.score(request, context)
+
+
+class EngineCollector:
+    """Prometheus view of the engine's counters, read at scrape time (no double bookkeeping)."""
+
+    def __init__(self, engine: ServingEngine, drafters: RemoteDrafters | None) -> None:
+        self.engine = engine
+        self.drafters = drafters
+
+    def collect(self):
+        stats = self.engine.stats
+        for name, value, help_text in (
+            ("spec_decode_num_drafts", stats.num_drafts, "Verification passes over a drafted block"),
+            ("spec_decode_num_draft_tokens", stats.num_draft_tokens, "Drafted tokens verified"),
+            ("spec_decode_num_accepted_tokens", stats.num_accepted_tokens, "Drafted tokens accepted"),
+            ("spec_decode_num_emitted_tokens", stats.num_emitted_tokens, "Tokens committed"),
+            ("spec_decode_num_candidate_lookups", stats.num_candidate_lookups, "Outcomes looked up among candidates"),
+            ("spec_decode_num_candidate_hits", stats.num_candidate_hits, "Outcomes that found a ready candidate"),
+            ("num_target_passes", stats.num_target_passes, "Target passes"),
+            ("num_drafter_calls", stats.num_drafter_calls, "Calls to the drafter"),
+            ("num_drafter_blocking_calls", stats.num_drafter_blocking_calls,
+             "Drafter round trips the target pass waited for (the critical path)"),
+        ):
+            yield CounterMetricFamily(f"specd:{name}", help_text, value=value)
+        per_pos = CounterMetricFamily("specd:spec_decode_num_accepted_tokens_per_pos",
+                                      "Drafted tokens accepted at each block position", labels=["position"])
+        for position, value in enumerate(stats.num_accepted_tokens_per_pos):
+            per_pos.add_metric([str(position)], value)
+        yield per_pos
+        yield GaugeMetricFamily("specd:spec_decode_candidate_hit_rate", "Candidate hit rate", value=stats.hit_rate)
+        yield GaugeMetricFamily("specd:spec_decode_mean_acceptance_length", "Tau: tokens per target pass", value=stats.tau)
+        yield GaugeMetricFamily("specd:num_requests_running", "Requests decoding", value=self.engine.num_running)
+        yield GaugeMetricFamily("specd:num_requests_waiting", "Requests queued", value=self.engine.num_waiting)
+        if self.drafters is not None:
+            yield InfoMetricFamily("specd:drafter_version", "Drafter weight version seen last",
+                                   value={"version": self.drafters.version or "unknown"})
+            pool = CounterMetricFamily("specd:drafter_pool_events", "Drafter pool events", labels=["event"])
+            for event, value in dataclasses.asdict(self.drafters.stats).items():
+                pool.add_metric([event.removeprefix("num_")], value)
+            yield pool
+
+
+def observe_latency(finished: FinishedRequest) -> None:
+    E2E.observe(finished.finish_time - finished.arrival_time)
+    if finished.first_token_time is not None:
+        TTFT.observe(finished.first_token_time - finished.arrival_time)
+        if len(finished.output) > 1:
+            TPOT.observe((finished.finish_time - finished.first_token_time) / (len(finished.output) - 1))
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_config(VerifierConfig, argv, prog="specd-verifier",
+                          description="The specd target verifier: gRPC Generate/Score and the OpenAI HTTP API.")
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    setup_tracing("specd-verifier", config.otlp_endpoint)
+    grpc_server = GrpcServer("verifier", config)
+    try:
+        target = load_model(config.model)
+        tokenizer = load_tokenizer(config.tokenizer or config.model)
+    except (ModelLoadError, OSError, ValueError) as err:
+        sys.exit(f"specd-verifier: cannot load the target: {err}")
+
+    drafters = None
+    if config.drafters:
+        try:
+            drafters = RemoteDrafters(config.drafters, config, timeout=config.drafter_timeout,
+                                      retry_seconds=config.drafter_retry_seconds)
+        except ValueError as err:
+            sys.exit(f"specd-verifier: {err}")
+    traces = TraceWriter(config.redis_url, config.trace_stream, maxlen=config.trace_maxlen) if config.redis_url else None
+
+    def on_finish(finished: FinishedRequest) -> None:
+        observe_latency(finished)
+        if traces is not None:
+            traces(finished)
+
+    engine = ServingEngine(
+        target, drafters,
+        EngineConfig(max_num_seqs=config.max_num_seqs, block_size=config.block_size if drafters else 0,
+                     mode=config.mode, candidate_budget=config.candidate_budget,
+                     adaptive_block=config.adaptive_block, drafter_retry_s=config.drafter_retry_seconds),
+        max_model_len=config.max_model_len or None,
+        drafter_version=(lambda: drafters.version) if drafters else (lambda: ""),
+        on_finish=on_finish,
+    )
+    REGISTRY.register(EngineCollector(engine, drafters))
+    verifier_pb2_grpc.add_VerifierServicer_to_server(
+        VerifierServicer(engine, ScoreHandler(target, engine.target_lock)), grpc_server.server)
+    port = grpc_server.start(["specd.v1.Verifier"])
+
+    http = None
+    if config.http_port >= 0:
+        stop_ids = tuple(getattr(target.config, "stop_token_ids", ()) or ())
+        app = build_app(engine, tokenizer, model_name=config.served_model_name or Path(config.model).name,
+                        auth_token=config.auth_token, is_ready=lambda: not grpc_server.draining,
+                        default_stop_token_ids=stop_ids)
+        http = serve_http(app, config.http_host, config.http_port)
+    grpc_server.set_serving()
+    http_note = f", HTTP on {config.http_host}:{config.http_port}" if http else ""
+    print(f"verifier serving gRPC on {config.host}:{port}{http_note} "
+          f"({'drafters ' + ','.join(config.drafters) if drafters else 'plain decoding'})", flush=True)
+
+    def drain() -> None:
+        engine.shutdown(drain=True)  # running and queued requests finish; new ones are refused
+
+    grpc_server.wait_for_termination(on_drain=drain)
+    if http is not None:
+        http[0].should_exit = True
+        http[1].join(timeout=config.drain_seconds)
+    if drafters is not None:
+        drafters.close()
+    if traces is not None:
+        traces.close()
+
+
+if __name__ == "__main__":
+    main()

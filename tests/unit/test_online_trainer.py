@@ -1,0 +1,354 @@
+"""The online SpecOPD trainer against a real redis-server: at-least-once traces, exactly-once training.
+
+Traces are acknowledged only after the checkpoint that holds them; a trainer killed after a step
+(or between its checkpoint and its acknowledgements) loses no trace and trains none twice into
+one version; bad entries go to the dead-letter stream; the gate refuses a worse drafter and
+publishes a better or equal one with the right key, hint, files and sha256; SIGTERM saves and
+acknowledges before the process exits.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+import torch
+
+from services.common.checkpoints import fetch_checkpoint, file_sha256
+from services.common.config import ServiceConfig
+from services.common.server import GrpcServer, open_channel, wait_healthy
+from services.trainer.server import (
+    SERVICE_NAME,
+    TrainerConfig,
+    TrainerService,
+    TrainerServicer,
+)
+from specd._proto.v1 import trainer_pb2, trainer_pb2_grpc
+from specd.models.d3d import FLAVOURS as D3D_FLAVOURS
+from specd.models.d3d import D3DModel
+from specd.models.loading import load_model, save_model
+from specd.models.qwen3 import FLAVOURS, Qwen3ForCausalLM
+from specd.train.online import OnlineConfig, Trace, expected_tau, gate, is_heldout
+from specd.train.specopd import SpecOPDConfig, SpecOPDTrainer
+
+VOCAB = FLAVOURS["debug"].vocab_size
+HELDOUT_EVERY = 4
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    port = free_port()
+    process = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(tmp_path_factory.mktemp("redis"))],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + 10
+    while True:  # poll until it answers PING (its readiness check)
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline or process.poll() is not None:
+                process.kill()
+                raise RuntimeError(f"redis-server on port {port} did not start") from None
+            time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}/0"
+    process.terminate()
+    process.wait(10)
+
+
+@pytest.fixture
+def client(redis_url):
+    connection = redis.Redis.from_url(redis_url, decode_responses=True)
+    connection.flushall()
+    yield connection
+    connection.close()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny random target (peaked p) and a tiny random D3D drafter, saved in HF layout."""
+    root = tmp_path_factory.mktemp("models")
+    torch.manual_seed(2)
+    target = Qwen3ForCausalLM(FLAVOURS["debug"]).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(4)
+    torch.manual_seed(4)
+    drafter = D3DModel(D3D_FLAVOURS["debug"]).eval()
+    save_model(target, root / "target")
+    save_model(drafter, root / "drafter")
+    return root
+
+
+def config(models: Path, redis_url: str, directory: Path, **overrides) -> TrainerConfig:
+    values = {
+        "redis_url": redis_url, "drafter": str(models / "drafter"), "target": str(models / "target"),
+        "checkpoint_dir": str(directory), "consumer": "trainer-a", "batch_size": 2, "steps_per_version": 2,
+        "heldout_every": HELDOUT_EVERY, "min_heldout": 1, "block_size": 4, "anchors_per_seq": 2,
+        "branches_per_anchor": 2, "lr": 3e-3, "block_ms": 20, "claim_idle_ms": 60_000,
+    }
+    return TrainerConfig(**{**values, **overrides})
+
+
+def make_traces(count: int, *, heldout: bool, start: int = 0) -> list[Trace]:
+    """``count`` traces whose ids are (or are not) held out, with random token ids."""
+    generator = torch.Generator().manual_seed(start)
+    traces, number = [], start
+    while len(traces) < count:
+        trace_id = f"{number:032x}"
+        number += 1
+        if is_heldout(trace_id, HELDOUT_EVERY) != heldout:
+            continue
+        prompt = torch.randint(7, VOCAB, (4 + len(traces) % 3,), generator=generator).tolist()
+        output = torch.randint(7, VOCAB, (10 + len(traces) % 4,), generator=generator).tolist()
+        traces.append(Trace(trace_id=trace_id, prompt_ids=prompt, output_ids=output, accepted=[1, 0, 2],
+                            drafter_version="", finish_reason="length"))
+    return traces
+
+
+def add(client: redis.Redis, traces: list[Trace], stream: str = "specd:traces") -> list[str]:
+    return [client.xadd(stream, trace.to_fields()) for trace in traces]
+
+
+def pending(client: redis.Redis) -> int:
+    return client.xpending("specd:traces", "specd-trainer")["pending"]
+
+
+def poll_until(service: TrainerService, done, rounds: int = 50) -> None:
+    for _ in range(rounds):
+        if done():
+            return
+        service.poll(block_ms=10)
+    raise AssertionError("the trainer did not get there")
+
+
+def saved_state(directory: Path) -> dict:
+    return torch.load(directory / "online" / "state.pt", weights_only=False)
+
+
+# ---------------------------------------------------------------------------- the stream
+def test_traces_are_acknowledged_only_after_the_checkpoint_that_holds_them(models, redis_url, client, tmp_path):
+    service = TrainerService(config(models, redis_url, tmp_path / "run"), client=client)
+    traces = make_traces(4, heldout=False)
+    add(client, traces)
+    poll_until(service, lambda: service.learner.num_steps == 1)
+    assert pending(client) == 2  # trained, not yet in a checkpoint: not acknowledged
+    assert not (tmp_path / "run" / "online").exists()
+    poll_until(service, lambda: service.learner.num_steps == 2)
+    assert pending(client) == 0
+    state = saved_state(tmp_path / "run")
+    assert state["num_steps"] == 2
+    assert state["data"]["trained_ids"] == [t.trace_id for t in traces]
+    assert service.status().traces_consumed == 4 and service.status().supervised_tokens > 0
+
+
+@pytest.mark.parametrize("restart", ["same consumer, own backlog", "new consumer, reclaimed"])
+def test_a_killed_trainer_loses_no_trace_and_trains_none_twice(restart, models, redis_url, client, tmp_path):
+    directory = tmp_path / "run"
+    traces = make_traces(8, heldout=False)
+    add(client, traces[:6])
+    first = TrainerService(config(models, redis_url, directory), client=client)
+    poll_until(first, lambda: first.learner.num_steps == 3)  # checkpoint at 2 (4 acked), one step after it
+    assert pending(client) == 2
+    # Killed here: `first` is abandoned; the step after the checkpoint is neither saved nor acknowledged.
+
+    overrides = {} if restart.startswith("same") else {"consumer": "trainer-b", "claim_idle_ms": 0}
+    second = TrainerService(config(models, redis_url, directory, **overrides), client=client)
+    assert second.learner.num_steps == 2  # resumed from the checkpoint
+    add(client, traces[6:])
+    poll_until(second, lambda: second.learner.num_steps == 4 and pending(client) == 0)
+    trained = saved_state(directory)["data"]["trained_ids"]
+    assert sorted(trained) == sorted(t.trace_id for t in traces)  # every trace, each once
+    assert len(trained) == len(set(trained))
+
+
+def test_a_checkpoint_saved_but_not_acknowledged_is_not_trained_again(models, redis_url, client, tmp_path):
+    directory = tmp_path / "run"
+    traces = make_traces(6, heldout=False)
+    add(client, traces[:2])
+    first = TrainerService(config(models, redis_url, directory, steps_per_version=5), client=client)
+    poll_until(first, lambda: first.learner.num_steps == 1)
+    first.learner.save()  # the checkpoint is written; the process dies before acknowledging
+    weights = {k: v.clone() for k, v in first.learner.trainer.drafter.state_dict().items()}
+    assert pending(client) == 2  # `first` is abandoned from here on
+
+    second = TrainerService(config(models, redis_url, directory, consumer="trainer-b", claim_idle_ms=0), client=client)
+    poll_until(second, lambda: second.learner.counters.duplicates == 2)
+    assert second.learner.num_steps == 1  # the redelivered traces were skipped, not trained
+    assert all(torch.equal(weights[k], v) for k, v in second.learner.trainer.drafter.state_dict().items())
+    add(client, traces[2:])
+    poll_until(second, lambda: second.learner.num_steps == 3 and pending(client) == 0)
+    trained = saved_state(directory)["data"]["trained_ids"]
+    assert trained == [t.trace_id for t in traces]
+
+
+def test_bad_entries_and_repeatedly_delivered_ones_go_to_the_dead_letter_stream(models, redis_url, client, tmp_path):
+    good = make_traces(1, heldout=False)[0]
+    bad = [
+        ({"trace_id": "abc", "prompt_ids": "[1, 2"}, "lacks field(s) output_ids"),
+        ({**good.to_fields(), "trace_id": "not-hex!"}, "hex digits"),
+        ({**good.to_fields(), "output_ids": "[1, \"x\"]"}, "JSON list of integers"),
+        ({**good.to_fields(), "prompt_ids": "{not json"}, "not JSON"),
+    ]
+    ids = [client.xadd("specd:traces", fields) for fields, _ in bad]
+    service = TrainerService(config(models, redis_url, tmp_path / "run", max_deliveries=1, claim_idle_ms=0), client=client)
+    poll_until(service, lambda: client.xlen("specd:traces:dead") == 4)
+    dead = client.xrange("specd:traces:dead")
+    for (_, words), (_, fields), source in zip(bad, dead, ids):
+        assert words in fields["dead_reason"] and fields["dead_source_id"] == source
+    assert pending(client) == 0 and service.status().traces_consumed == 0
+    assert service.learner.counters.dead_letters == 4
+
+    # A trace a dead consumer took and never acknowledged comes back once more: above max_deliveries.
+    entry = client.xadd("specd:traces", good.to_fields())
+    client.xreadgroup("specd-trainer", "ghost", {"specd:traces": ">"})
+    poll_until(service, lambda: client.xlen("specd:traces:dead") == 5)
+    _, fields = client.xrange("specd:traces:dead")[-1]
+    assert fields["dead_source_id"] == entry and "delivered 2 times" in fields["dead_reason"]
+    assert fields["trace_id"] == good.trace_id  # the entry itself is kept for inspection
+    assert pending(client) == 0
+
+
+# ---------------------------------------------------------------------------- the gate and versions
+def test_the_gate_refuses_a_worse_drafter_and_publishes_a_better_or_equal_one(models, redis_url, client, tmp_path):
+    service = TrainerService(config(models, redis_url, tmp_path / "run"), client=client)
+    heldout = make_traces(4, heldout=True)
+    add(client, heldout)
+    poll_until(service, lambda: len(service.learner.heldout) == 4)
+    hints = client.pubsub()
+    hints.subscribe("specd:drafter:updates")
+    assert hints.get_message(timeout=5)["type"] == "subscribe"
+
+    # A better drafter: the initial one distilled on these trajectories for a few steps.
+    better = load_model(models / "drafter")
+    distiller = SpecOPDTrainer(load_model(models / "target"), better,
+                               SpecOPDConfig(block_size=4, anchors_per_seq=4, branches_per_anchor=4, lr=3e-3))
+    for _ in range(15):
+        distiller.step([t.trajectory for t in heldout])
+    initial_tau = expected_tau(service.learner.live, [t.trajectory for t in heldout], seed=0)
+    assert service.offer(better)
+    status = service.status()
+    print(f"held-out tau: initial {initial_tau:.4f}, distilled {status.last_candidate_tau:.4f}")
+    assert status.last_candidate_tau > initial_tau + 0.01
+    assert status.versions_published == 1 and status.live_tau == status.last_candidate_tau
+
+    record = json.loads(client.get("specd:drafter:live"))
+    assert record["version"] == status.live_version
+    assert json.loads(hints.get_message(timeout=5)["data"]) == record
+    directory = tmp_path / "run" / "versions" / record["version"]
+    assert sorted(p.name for p in directory.iterdir()) == ["config.json", "model.safetensors"]
+    assert record["sha256"] == {name: file_sha256(directory / name) for name in ("config.json", "model.safetensors")}
+    assert all(torch.equal(a, b) for a, b in zip(load_model(directory).state_dict().values(), better.state_dict().values()))
+
+    torch.manual_seed(99)
+    worse = D3DModel(D3D_FLAVOURS["debug"])  # re-initialised: knows nothing
+    assert not service.offer(worse)
+    assert service.status().versions_refused == 1 and service.status().last_candidate_tau < status.live_tau
+    assert json.loads(client.get("specd:drafter:live")) == record  # the live version did not move
+
+    assert service.offer(copy.deepcopy(better))  # equal is not worse
+    assert service.status().versions_published == 2
+    hints.close()
+
+
+def test_get_checkpoint_serves_published_versions(models, redis_url, client, tmp_path):
+    service = TrainerService(config(models, redis_url, tmp_path / "run"), client=client)
+    add(client, make_traces(1, heldout=True))
+    poll_until(service, lambda: len(service.learner.heldout) == 1)
+    server = GrpcServer("trainer-test", ServiceConfig())
+    trainer_pb2_grpc.add_TrainerServicer_to_server(TrainerServicer(service, default_chunk_bytes=4096), server.server)
+    port = server.start([SERVICE_NAME])
+    server.set_serving()
+    try:
+        with open_channel(f"127.0.0.1:{port}", ServiceConfig()) as channel:
+            stub = trainer_pb2_grpc.TrainerStub(channel)
+            with pytest.raises(grpc.RpcError) as caught:
+                list(stub.GetCheckpoint(trainer_pb2.GetCheckpointRequest()))
+            assert caught.value.code() == grpc.StatusCode.NOT_FOUND and "published" in caught.value.details()
+
+            assert service.publish_checkpoint(models / "drafter")  # the live drafter's own weights: equal passes
+            record = json.loads(client.get("specd:drafter:live"))
+            fetched = fetch_checkpoint(stub, "", tmp_path / "fetched", expected_sha256=record["sha256"])
+            for name in ("config.json", "model.safetensors"):
+                assert (fetched / name).read_bytes() == (tmp_path / "run" / "versions" / record["version"] / name).read_bytes()
+            assert stub.Status(trainer_pb2.StatusRequest()).live_version == record["version"]
+
+            with pytest.raises(grpc.RpcError) as caught:
+                list(stub.GetCheckpoint(trainer_pb2.GetCheckpointRequest(version="../online")))
+            assert caught.value.code() == grpc.StatusCode.NOT_FOUND and "unknown drafter version" in caught.value.details()
+    finally:
+        server.stop(None)
+
+
+def test_a_restarted_trainer_adopts_a_version_published_after_its_last_checkpoint(models, redis_url, client, tmp_path):
+    first = TrainerService(config(models, redis_url, tmp_path / "run"), client=client)
+    add(client, make_traces(1, heldout=True))
+    poll_until(first, lambda: len(first.learner.heldout) == 1)
+    first.learner.save()
+    assert first.publish_checkpoint(models / "drafter")  # published, then killed before the next checkpoint
+    version = first.status().live_version  # `first` is abandoned from here on
+    second = TrainerService(config(models, redis_url, tmp_path / "run"), client=client)
+    assert second.status().live_version == version and second.version_dir("") is not None
+
+
+def test_gate_rules_and_trace_entries():
+    assert gate(1.5, 1.5) and gate(1.6, 1.5) and not gate(1.4, 1.5)
+    assert not gate(float("nan"), 1.5) and not gate(1.5, float("nan"))  # no evidence, no publish
+    trace = make_traces(1, heldout=False)[0]
+    assert Trace.from_fields({k.encode(): v.encode() for k, v in trace.to_fields().items()}) == trace
+    assert [is_heldout(f"{i:x}", 5) for i in range(50)] == [is_heldout(f"{i:x}", 5) for i in range(50)]
+    assert 5 <= sum(is_heldout(f"{i:x}", 5) for i in range(500)) / 5 <= 200  # about one in five
+    with pytest.raises(ValueError, match="heldout_every"):
+        OnlineConfig(heldout_every=1)
+
+
+# ---------------------------------------------------------------------------- the process
+def test_sigterm_finishes_the_step_saves_and_acknowledges(models, redis_url, client, tmp_path):
+    traces = make_traces(2, heldout=False)
+    add(client, traces)
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SPECD_REDIS_URL": redis_url}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.trainer", "--port", str(port), "--drafter", str(models / "drafter"),
+         "--target", str(models / "target"), "--checkpoint-dir", str(tmp_path / "run"), "--batch-size", "2",
+         "--steps-per-version", "100", "--heldout-every", str(HELDOUT_EVERY), "--block-size", "4",
+         "--anchors-per-seq", "2", "--branches-per-anchor", "2", "--block-ms", "50", "--drain-seconds", "1"],
+        env=env, cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        address = f"127.0.0.1:{port}"
+        wait_healthy(address, ServiceConfig(), timeout=60, service=SERVICE_NAME)
+        with open_channel(address, ServiceConfig()) as channel:
+            stub = trainer_pb2_grpc.TrainerStub(channel)
+            deadline = time.monotonic() + 60
+            while stub.Status(trainer_pb2.StatusRequest()).steps < 1:  # poll Status until the first step
+                assert time.monotonic() < deadline, "no training step within 60 s"
+                time.sleep(0.05)
+        assert pending(client) == 2  # trained, but no checkpoint is due: not acknowledged yet
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, output
+    state = saved_state(tmp_path / "run")
+    assert state["num_steps"] == 1 and state["data"]["trained_ids"] == [t.trace_id for t in traces]
+    assert pending(client) == 0
