@@ -136,7 +136,8 @@ class Stack:
         if c.trainer and c.drafter:
             args = ["--port", str(c.trainer_port), "--host", c.host, "--redis-url", self.redis_url,
                     "--drafter", c.drafter, "--verifiers", ",".join(s.grpc for s in self.verifiers),
-                    "--checkpoint-dir", str(self.workdir / "trainer"), *c.trainer_args]
+                    "--checkpoint-dir", str(self.workdir / "trainer"), "--block-size", str(c.block_size),
+                    "--stop-token-ids", ",".join(map(str, _stop_token_ids(c.target))), *c.trainer_args]
             self._spawn("trainer", "services.trainer", args, grpc=f"{c.host}:{c.trainer_port}")
         deadline = time.monotonic() + timeout
         for service in self.services:
@@ -264,6 +265,14 @@ class Stack:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _stop_token_ids(model_directory: str) -> list[int]:
+    """The target's end-of-sequence ids (config.json ``eos_token_id``: one id or a list)."""
+    from specd.models.loading import read_config
+
+    eos = read_config(Path(model_directory)).get("eos_token_id")
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
 def _tail(log: Path | None, lines: int = 15) -> str:

@@ -332,7 +332,7 @@ def parser() -> argparse.ArgumentParser:
     opd.add_argument("--target", required=True, help="target model directory")
     opd.add_argument("--drafter", required=True, help="starting D3D drafter directory")
     opd.add_argument("--data", required=True, help="JSONL trajectories (prompt_ids/response_ids, prompt/response text, "
-                                                   "or prompt_len/ids); redis://... once the services land")
+                                                   "or prompt_len/ids); live traffic: the trainer service")
     opd.add_argument("--out", required=True, help="output drafter directory (resumable: checkpoints under OUT/work)")
     opd.add_argument("--method", choices=list(OPD_METHODS), default="specopd")
     opd.add_argument("--loss", choices=list(LOSSES), default="e2e-tv", help="(offline always trains with kl)")

@@ -26,12 +26,6 @@ class CheckpointError(ValueError):
     """A transferred checkpoint failed a check (sha256, size, order, names); nothing was installed."""
 
 
-def file_sha256(path: Path) -> str:
-    """Hex sha256 of a file's bytes."""
-    with open(path, "rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
-
-
 def stream_checkpoint(
     directory: Path, version: str, chunk_bytes: int = 1 << 20
 ) -> Iterator[trainer_pb2.CheckpointChunk]:

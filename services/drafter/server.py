@@ -12,7 +12,8 @@ Design choices:
   released); an evicted sequence costs one resend, never a failed call.
 - **One packed pass at a time.** One lock covers the contexts and the drafter: a Draft call is one
   `D3DDrafter.draft` over all its items, each Speculate message one `D3DDrafter.speculate`.
-  Concurrent callers queue on the lock (merging their passes is future work).
+  Concurrent callers queue on the lock (merging their passes is future work). Each verifier
+  keeps one Speculate stream open, which holds one of the server's worker threads.
 - **Weight swaps without dropping anything.** `DrafterServicer.swap_weights` loads the new
   checkpoint outside the lock, then swaps in a fresh `D3DDrafter` under it. The old drafter's KV
   caches belong to the old weights, so they go; the stored contexts stay, so the next call of each
@@ -277,10 +278,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             ]
             if any(self._drafts_candidates(asked) for asked in requests):
                 speculated = self._pass("speculate", lambda: drafter.speculate(requests), len(requests))
+                for asked, candidates in zip(requests, speculated):
+                    self._returned[asked.seq_id] = [block.tokens for block in candidates.values()]
             else:
                 speculated = [{} for _ in requests]
-            for asked, candidates in zip(requests, speculated):
-                self._returned[asked.seq_id] = [block.tokens for block in candidates.values()]
             results = iter(speculated)
             version = self.version
         response = drafter_pb2.SpeculateResponse(step=request.step, drafter_version=version)
@@ -442,7 +443,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         max_num_seqs=config.max_num_seqs, max_budget=config.max_budget, device=config.device,
         metrics=DrafterMetrics(prometheus_client.REGISTRY),
     )
-    server = GrpcServer("specd-drafter", config)  # sets up tracing with this service name
+    # Each open Speculate stream (one per verifier) holds a worker thread for its lifetime.
+    server = GrpcServer("specd-drafter", config, max_workers=256)  # also sets up tracing
     drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server.server)
     port = server.start([SERVICE_NAME])
     if config.metrics_port >= 0:

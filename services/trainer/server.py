@@ -288,12 +288,16 @@ class TrainerService:
     def offer(self, candidate: D3DModel) -> bool:
         """Gate ``candidate`` against the live drafter on the held-out traces; publish it iff it
         passes. (The loop does this with its own weights every ``steps_per_version`` steps.)"""
+        return self.judge_and_publish(candidate).passed
+
+    def judge_and_publish(self, candidate: D3DModel) -> GateDecision:
+        """`offer`, returning the gate's decision with both τ estimates and its reason."""
         with self._lock:
             decision = self.learner.judge(candidate)
             self._record(decision)
             if decision.passed:
                 self._publish(candidate, decision)
-            return decision.passed
+            return decision
 
     def publish_checkpoint(self, directory: str | Path) -> bool:
         """`offer` the drafter saved in ``directory`` (config.json + model.safetensors)."""
@@ -370,6 +374,22 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             yield from stream_checkpoint(directory, version, chunk_bytes)
         except FileNotFoundError as error:
             abort(context, grpc.StatusCode.NOT_FOUND, f"{error} (pruned since; read the live key again)")
+
+
+    def Offer(self, request: trainer_pb2.OfferRequest, context: grpc.ServicerContext) -> trainer_pb2.OfferResponse:
+        service = self._ready(context)
+        try:
+            candidate = _load_drafter(request.directory)
+        except (ModelLoadError, OSError) as error:
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"cannot load a drafter from {request.directory!r}: {error}")
+        if candidate.config.vocab_size != service.learner.trainer.drafter.config.vocab_size:
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                  f"the offered drafter's vocabulary ({candidate.config.vocab_size}) differs from the live one's")
+        decision = service.judge_and_publish(candidate)
+        return trainer_pb2.OfferResponse(
+            published=decision.passed, version=service.learner.counters.live_version,
+            candidate_tau=decision.candidate_tau, live_tau=decision.live_tau, reason=decision.reason,
+        )
 
 
 def _load_drafter(directory: str | Path) -> D3DModel:

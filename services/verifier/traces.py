@@ -17,7 +17,6 @@ Redis is down (or the queue is full) the entry is dropped and counted; serving g
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -27,6 +26,7 @@ import redis
 from prometheus_client import Counter
 
 from specd.serving import FinishedRequest
+from specd.train.online import Trace
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +35,12 @@ TRACES_DROPPED = Counter("specd:traces_dropped", "Request traces dropped (Redis 
 
 
 def trace_fields(finished: FinishedRequest) -> dict[str, str]:
-    return {
-        "trace_id": uuid.uuid4().hex,
-        "prompt_ids": json.dumps(finished.prompt),
-        "output_ids": json.dumps(finished.output),
-        "accepted": json.dumps(finished.accepted_lengths),
-        "drafter_version": finished.drafter_version,
-        "finish_reason": finished.finish_reason,
-    }
+    """The stream entry of a finished request (the format is `specd.train.online.Trace`'s)."""
+    return Trace(
+        trace_id=uuid.uuid4().hex, prompt_ids=finished.prompt, output_ids=finished.output,
+        accepted=finished.accepted_lengths, drafter_version=finished.drafter_version,
+        finish_reason=finished.finish_reason,
+    ).to_fields()
 
 
 class TraceWriter:
@@ -88,5 +86,8 @@ class TraceWriter:
 
     def close(self, timeout: float = 5.0) -> None:
         """Write what is queued (as far as Redis allows), then stop."""
-        self._queue.put(None)
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            return  # Redis is too slow to take the backlog: what is queued is dropped with the process
         self._thread.join(timeout)

@@ -9,6 +9,7 @@ twice and an 8B model never sits in memory in two copies.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,12 @@ def load_model(
     if getattr(config, "tie_word_embeddings", False):
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes (how weight files are identified when they move)."""
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def save_model(model: nn.Module, directory: str | Path) -> None:

@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from specd.models.d3d import D3DModel
-from specd.models.loading import load_model, save_model
+from specd.models.loading import file_sha256, load_model, save_model
 from specd.train.opd import load_checkpoint, save_checkpoint
 from specd.train.specopd import (
     SpecOPDConfig,
@@ -227,11 +227,6 @@ class Published:
     def announcement(self) -> str:
         """The JSON the live-version key holds and the update hint carries."""
         return json.dumps({"version": self.version, "sha256": self.sha256}, sort_keys=True)
-
-
-def file_sha256(path: Path) -> str:
-    with open(path, "rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def write_version(drafter: D3DModel, versions: Path, num_steps: int) -> Published:

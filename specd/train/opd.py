@@ -7,9 +7,10 @@ Design choices:
   exactly the lines an uninterrupted one would. `FileSource` reads JSONL (three formats, see
   `parse_line`) and goes round again at the end; a line it cannot use is skipped, counted under
   its reason and logged, never raised (the trainer's `screen` does the same for ids outside the
-  vocabulary, empty responses and trajectories longer than the context). Live traffic from a
-  Redis stream will be a second implementation with the services; ``redis://`` is refused
-  clearly until then.
+  vocabulary, empty responses and trajectories longer than the context). Live traffic from the
+  verifiers' Redis trace stream is the trainer service's job (``python -m services.trainer``:
+  a consumer group, ack after checkpoint, a gate before publishing); ``redis://`` here is
+  refused with a pointer to it.
 - **One method flag, one step**: ``specopd``, ``sequential`` and ``offline`` are the three
   `DrafterDistiller` subclasses, so everything but where supervision comes from is shared.
   Offline distillation always uses KL (`OfflineDistillationTrainer`).
@@ -169,11 +170,11 @@ class ListSource:
 
 
 def open_source(spec: str, tokenizer=None) -> TrajectorySource:
-    """``FILE`` (JSONL) -> `FileSource`; ``redis://...`` is refused until the services land."""
+    """``FILE`` (JSONL) -> `FileSource`; ``redis://...`` is refused: live traffic is the trainer service's."""
     if spec.startswith("redis://"):
         raise ValueError(
-            f"trajectory source {spec!r}: Redis streams are not available until the services land; "
-            "pass a JSONL file of trajectories"
+            f"trajectory source {spec!r}: `specd train opd` reads JSONL files; to distil continuously from "
+            "live traffic run the trainer service (`python -m services.trainer --redis-url ...`, or `specd up`)"
         )
     return FileSource(spec, tokenizer)
 

@@ -26,20 +26,20 @@ import redis
 import torch
 from prometheus_client import CollectorRegistry
 
-from services.common.checkpoints import file_sha256, stream_checkpoint
+from services.common.checkpoints import stream_checkpoint
 from services.common.config import ServiceConfig
 from services.common.server import GrpcServer, open_channel, wait_healthy
 from services.common.wire import params_to_proto
 from services.drafter.server import SERVICE_NAME, DrafterMetrics, DrafterServicer
 from services.drafter.weights import WeightWatcher
-from services.verifier.drafter_pool import RemoteDrafters
+from services.verifier.drafter_pool import RemoteDrafters, resolve
 from specd._proto.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, trainer_pb2_grpc
 from specd.drafters.base import DraftBlock, DrafterUnavailable, DraftRequest, SpeculateRequest
 from specd.drafters.d3d import D3DDrafter
 from specd.engine import EngineConfig, SpeculativeEngine, autoregressive
 from specd.models.d3d import FLAVOURS as D3D_FLAVOURS
 from specd.models.d3d import D3DModel
-from specd.models.loading import ModelLoadError, load_model, save_model
+from specd.models.loading import ModelLoadError, file_sha256, load_model, save_model
 from specd.models.qwen3 import FLAVOURS as QWEN3_FLAVOURS
 from specd.models.qwen3 import Qwen3ForCausalLM
 from specd.sampling import SamplingParams
@@ -214,6 +214,18 @@ def test_no_replica_at_construction_is_unavailable():
         address = f"127.0.0.1:{probe.getsockname()[1]}"
     with pytest.raises(DrafterUnavailable, match=address):
         RemoteDrafters([address], CONFIG, timeout=5.0)
+
+
+def test_a_dns_name_resolves_to_its_replicas(checkpoints):
+    assert resolve("10.0.0.7:50052") == ["10.0.0.7:50052"]
+    with pytest.raises(ValueError, match="needs a port"):
+        resolve("dns:///drafter")
+    with drafter_replica(checkpoints["v1"]) as (servicer, _, address):
+        port = address.rpartition(":")[2]
+        pool = RemoteDrafters([f"dns:///localhost:{port}"], CONFIG, timeout=30.0)
+        assert len(pool.draft(drafts({1: prompt(50)}, {1: GREEDY}))) == 1
+        assert pool.replica_of(1) == address and servicer.num_sequences == 1
+        pool.close()
 
 
 def test_speculative_decoding_through_the_pool_is_plain_greedy(checkpoints):

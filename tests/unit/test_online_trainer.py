@@ -24,7 +24,7 @@ import pytest
 import redis
 import torch
 
-from services.common.checkpoints import fetch_checkpoint, file_sha256
+from services.common.checkpoints import fetch_checkpoint
 from services.common.config import ServiceConfig
 from services.common.server import GrpcServer, open_channel, wait_healthy
 from services.trainer.server import (
@@ -36,7 +36,7 @@ from services.trainer.server import (
 from specd._proto.v1 import trainer_pb2, trainer_pb2_grpc
 from specd.models.d3d import FLAVOURS as D3D_FLAVOURS
 from specd.models.d3d import D3DModel
-from specd.models.loading import load_model, save_model
+from specd.models.loading import file_sha256, load_model, save_model
 from specd.models.qwen3 import FLAVOURS, Qwen3ForCausalLM
 from specd.train.online import OnlineConfig, Trace, expected_tau, gate, is_heldout
 from specd.train.specopd import SpecOPDConfig, SpecOPDTrainer

@@ -80,7 +80,7 @@ def test_bad_lines_are_skipped_counted_and_training_goes_on(tmp_path, caplog):
 def test_parse_formats_and_sources(tmp_path):
     assert parse_line(json.dumps({"prompt_len": 2, "ids": [5, 6, 7]})).response == [7]
     assert parse_line(json.dumps({"prompt_len": 9, "ids": [5, 6, 7]})) == "bad_prompt_len"
-    with pytest.raises(ValueError, match="not available until the services land"):
+    with pytest.raises(ValueError, match="run the trainer service"):
         open_source("redis://localhost:6379/trajectories")
     (tmp_path / "bad.jsonl").write_text("{\n[]\n")
     with pytest.raises(ValueError, match="no usable trajectory"):
@@ -100,4 +100,4 @@ def test_cli_train_opd_saves_a_drafter_that_loads(tmp_path, capsys):
     summary = json.loads((tmp_path / "out" / "training.json").read_text())
     assert summary["steps"] == 2 and len(summary["evaluations"]) == 2
     assert main([*argv[:7], "redis://localhost/stream", *argv[8:]]) == 2
-    assert "not available until the services land" in capsys.readouterr().err
+    assert "run the trainer service" in capsys.readouterr().err

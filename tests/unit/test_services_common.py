@@ -29,12 +29,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import Counter
 
 from services.common import wire
-from services.common.checkpoints import CheckpointError, fetch_checkpoint, file_sha256, stream_checkpoint
+from services.common.checkpoints import CheckpointError, fetch_checkpoint, stream_checkpoint
 from services.common.config import ServiceConfig, parse_config
 from services.common.server import GrpcServer, abort, open_channel, wait_healthy
 from services.common.telemetry import get_tracer, setup_tracing, start_metrics_server
 from specd._proto.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from specd.drafters.base import DraftBlock
+from specd.models.loading import file_sha256
 from specd.sampling import SamplingParams
 from specd.tree import TokenTree
 

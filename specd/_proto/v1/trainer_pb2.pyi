@@ -52,3 +52,23 @@ class CheckpointChunk(_message.Message):
     sha256: str
     total_bytes: int
     def __init__(self, version: _Optional[str] = ..., file: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., sha256: _Optional[str] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class OfferRequest(_message.Message):
+    __slots__ = ("directory",)
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    def __init__(self, directory: _Optional[str] = ...) -> None: ...
+
+class OfferResponse(_message.Message):
+    __slots__ = ("published", "version", "candidate_tau", "live_tau", "reason")
+    PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_TAU_FIELD_NUMBER: _ClassVar[int]
+    LIVE_TAU_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    published: bool
+    version: str
+    candidate_tau: float
+    live_tau: float
+    reason: str
+    def __init__(self, published: _Optional[bool] = ..., version: _Optional[str] = ..., candidate_tau: _Optional[float] = ..., live_tau: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...

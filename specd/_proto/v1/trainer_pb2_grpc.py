@@ -45,6 +45,11 @@ class TrainerStub:
                 request_serializer=specd_dot_v1_dot_trainer__pb2.GetCheckpointRequest.SerializeToString,
                 response_deserializer=specd_dot_v1_dot_trainer__pb2.CheckpointChunk.FromString,
                 _registered_method=True)
+        self.Offer = channel.unary_unary(
+                '/specd.v1.Trainer/Offer',
+                request_serializer=specd_dot_v1_dot_trainer__pb2.OfferRequest.SerializeToString,
+                response_deserializer=specd_dot_v1_dot_trainer__pb2.OfferResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServicer:
@@ -63,6 +68,14 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Offer(self, request, context):
+        """Gate a drafter checkpoint (e.g. trained offline) against the live version on held-out
+        traffic; it is published only if its tau is not worse.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +88,11 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.GetCheckpoint,
                     request_deserializer=specd_dot_v1_dot_trainer__pb2.GetCheckpointRequest.FromString,
                     response_serializer=specd_dot_v1_dot_trainer__pb2.CheckpointChunk.SerializeToString,
+            ),
+            'Offer': grpc.unary_unary_rpc_method_handler(
+                    servicer.Offer,
+                    request_deserializer=specd_dot_v1_dot_trainer__pb2.OfferRequest.FromString,
+                    response_serializer=specd_dot_v1_dot_trainer__pb2.OfferResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +149,33 @@ class Trainer:
             '/specd.v1.Trainer/GetCheckpoint',
             specd_dot_v1_dot_trainer__pb2.GetCheckpointRequest.SerializeToString,
             specd_dot_v1_dot_trainer__pb2.CheckpointChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Offer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specd.v1.Trainer/Offer',
+            specd_dot_v1_dot_trainer__pb2.OfferRequest.SerializeToString,
+            specd_dot_v1_dot_trainer__pb2.OfferResponse.FromString,
             options,
             channel_credentials,
             insecure,
