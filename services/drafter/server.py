@@ -166,9 +166,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.drafter: D3DDrafter | None = None
         self.version = ""
         self._contexts: OrderedDict[int, list[int]] = OrderedDict()  # seq_id -> context, least recent first
-        # Blocks the drafter returned per sequence in its last call (as `D3DDrafter` keeps them):
-        # see `_drafts_candidates`.
-        self._returned: dict[int, list[list[int]]] = {}
         self._lock = threading.Lock()
         self._tracer = get_tracer(__name__)
 
@@ -192,7 +189,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         with self._lock:
             first = self.drafter is None
             self.drafter, self.version = drafter, version
-            self._returned.clear()
         self.metrics.weight_version.clear()
         self.metrics.weight_version.labels(version=version).set(1)
         if not first:
@@ -239,8 +235,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 for item, tokens in live
             ]
             drafted = self._pass("draft", lambda: drafter.draft(requests), len(requests)) if requests else []
-            for asked, block in zip(requests, drafted):
-                self._returned[asked.seq_id] = [block.tokens]
             blocks = iter(drafted)
             version = self.version
         return drafter_pb2.DraftResponse(
@@ -276,12 +270,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 for item, tokens in zip(items, contexts)
                 if tokens is not None
             ]
-            if any(self._drafts_candidates(asked) for asked in requests):
-                speculated = self._pass("speculate", lambda: drafter.speculate(requests), len(requests))
-                for asked, candidates in zip(requests, speculated):
-                    self._returned[asked.seq_id] = [block.tokens for block in candidates.values()]
-            else:
-                speculated = [{} for _ in requests]
+            speculated = self._pass("speculate", lambda: drafter.speculate(requests), len(requests)) if requests else []
             results = iter(speculated)
             version = self.version
         response = drafter_pb2.SpeculateResponse(step=request.step, drafter_version=version)
@@ -391,29 +380,16 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.metrics.sequences.set(len(self._contexts))
         return contexts
 
-    def _drafts_candidates(self, request: SpeculateRequest) -> bool:
-        """Whether `D3DDrafter.speculate` drafts any candidate for ``request``: it needs a budget
-        and the block under verification must be (a prefix of) one it returned in its last call.
-
-        Under the lock. A pass with no candidate at all is skipped: `D3DDrafter._run` cannot run
-        zero mask groups (it indexes with an empty float tensor), which happens right after a
-        failover, an eviction or a weight swap, when the replica returned none of the blocks.
-        """
-        if request.budget == 0:
-            return False
-        return any(tokens[: len(request.block)] == request.block for tokens in self._returned.get(request.seq_id, []))
-
     def _forget(self, seq_id: int) -> None:
         """Drop a sequence's context and its drafter cache row (under the lock)."""
         self._contexts.pop(seq_id, None)
-        self._returned.pop(seq_id, None)
         if self.drafter is not None:
             self.drafter.release(seq_id)
 
     def _pass(self, kind: str, run: Callable[[], T], num_seqs: int) -> T:
-        with self._tracer.start_as_current_span(f"drafter.{kind}", attributes={"specd.num_seqs": num_seqs}):
-            with self.metrics.pass_seconds.time():
-                result = run()
+        span = self._tracer.start_as_current_span(f"drafter.{kind}", attributes={"specd.num_seqs": num_seqs})
+        with span, self.metrics.pass_seconds.time():
+            result = run()
         self.metrics.passes.inc()
         return result
 

@@ -43,7 +43,7 @@ class VersionRecord:
     sha256: dict[str, str]  # file name -> hex digest
 
     @staticmethod
-    def parse(raw: bytes | str) -> "VersionRecord":
+    def parse(raw: bytes | str) -> VersionRecord:
         """ValueError, saying what is expected, when ``raw`` is not a version record."""
         expected = 'expected JSON {"version": "<name>", "sha256": {"<file>": "<hex>", ...}}'
         try:

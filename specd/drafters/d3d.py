@@ -160,7 +160,7 @@ class D3DDrafter:
                 target_hidden[row, : states.shape[0]] = states
         hidden_states = self.model.hidden_states(draft_pass.batch, self.cache, target_hidden)
         self.num_passes += 1
-        rows = torch.tensor([g.seq for g in groups], device=self.device)
+        rows = torch.tensor([g.seq for g in groups], dtype=torch.long, device=self.device)
         # The head runs on mask positions only: known nodes need no logits.
         masks = hidden_states[rows[:, None], draft_pass.mask_index.clamp(min=0)]  # [groups, max_group, hidden]
         logits = self.model.lm_head(masks).float()
@@ -168,7 +168,7 @@ class D3DDrafter:
             # The first drafted token comes from the auxiliary AR head at the group's parent (the
             # newest known token): it is trained at every position, so it is the more accurate
             # guess there; the masks carry the rest of the block.
-            parents = torch.tensor([g.node for g in groups], device=self.device)
+            parents = torch.tensor([g.node for g in groups], dtype=torch.long, device=self.device)
             has_parent = parents >= 0
             if bool(has_parent.any()):
                 parent_states = hidden_states[rows[has_parent], parents[has_parent]]
@@ -224,7 +224,11 @@ class D3DDrafter:
         plans = []
         for seq, request in zip(seqs, requests):
             dists = self._dists_of(seq, request.block)
-            plans.append(likely_outcomes(dists, request.block, request.budget) if dists is not None else [])
+            plans.append(likely_outcomes(dists, request.block, request.budget) if dists is not None and request.budget else [])
+        if not any(plans):
+            # Nothing to draft ahead for (no budget, or blocks this drafter did not return: after a
+            # failover, an eviction, a weight swap): no pass; the next call syncs the contexts.
+            return [{} for _ in requests]
         unseen = self._sync(seqs, [list(r.context) for r in requests])
         known, groups, outcome_groups = {}, [], []
         for seq, request, new, outcomes in zip(seqs, requests, unseen, plans):

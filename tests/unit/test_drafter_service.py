@@ -110,8 +110,8 @@ def assert_same_block(got: DraftBlock, want: DraftBlock) -> None:
 
 def assert_same_candidates(got: dict, want: dict) -> None:
     assert sorted(got) == sorted(want)
-    for outcome in want:
-        assert_same_block(got[outcome], want[outcome])
+    for outcome, block in want.items():
+        assert_same_block(got[outcome], block)
 
 
 def drafts(contexts: dict[int, list[int]], params: dict[int, SamplingParams], block_size: int = 4) -> list[DraftRequest]:
@@ -147,7 +147,7 @@ def test_remote_blocks_and_candidates_equal_in_process(checkpoints):
         for got, want in zip(pool.draft(drafts(contexts, params)), wanted):
             assert_same_block(got, want)
         blocks = {s: block.tokens for s, block in zip(contexts, wanted)}
-        for step in range(4):
+        for _ in range(4):
             requests = speculations(contexts, blocks, params)
             remote, wanted = pool.speculate(requests), local.speculate(requests)
             for got, want in zip(remote, wanted):
