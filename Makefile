@@ -1,6 +1,7 @@
 # specd: the README's two commands do all set-up themselves.
-#   make demo   build the tiny zoo if missing, then generate from the tiny target: plain, then
-#               speculative with the D3D drafter (same text, fewer target passes)
+#   make demo   build the tiny zoo if missing, generate from the tiny target, then start the services
+#               (Redis, a D3D drafter, a verifier, a plain verifier) and stream a chat completion
+#               through the OpenAI-compatible HTTP API: tau, hit rate and tokens/s vs plain decoding
 #   make test   the whole test suite (unit, integration; builds and caches the zoo once)
 
 PYTHON ?= python3
@@ -35,14 +36,8 @@ zoo: setup
 demo: zoo
 	$(BIN)/specd zoo list
 	$(BIN)/specd generate --model "$$($(BIN)/specd zoo path qwen3-tiny)" \
-	  --prompt "def parse_header(line):" --max-tokens 64
-	$(BIN)/specd generate --model "$$($(BIN)/specd zoo path qwen3-tiny)" --chat \
-	  --prompt "A shop sells pens for 3 dollars each. Ana buys 7 pens and pays with a 50 dollar note. How much change does she get?" \
-	  --max-tokens 96
-	$(BIN)/specd generate --model "$$($(BIN)/specd zoo path qwen3-tiny)" --chat \
-	  --drafter "$$($(BIN)/specd zoo path d3d-qwen3-tiny)" --block-size 8 \
-	  --prompt "A shop sells pens for 3 dollars each. Ana buys 7 pens and pays with a 50 dollar note. How much change does she get?" \
-	  --max-tokens 96
+	  --prompt "def parse_header(line):" --max-tokens 48
+	$(BIN)/specd up --demo
 
 # Regenerate specd/_proto/v1 from proto/specd/v1 (a test fails when the checked-in stubs are stale).
 proto: $(VENV)/.installed

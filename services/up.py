@@ -318,10 +318,10 @@ def _zoo_model(name: str) -> str:
 def run(args) -> int:
     config = StackConfig(
         target=args.target or _zoo_model("qwen3-tiny"), drafter=args.drafter or _zoo_model("d3d-qwen3-tiny"),
-        drafters=args.drafters, verifiers=args.verifiers, trainer=not args.no_trainer and not args.demo,
+        drafters=args.drafters, verifiers=args.verifiers, trainer=not args.no_trainer,
         redis_url=args.redis_url, verifier_http_port=args.http_port, verifier_grpc_port=args.grpc_port,
         drafter_port=args.drafter_port, trainer_port=args.trainer_port, block_size=args.block_size,
-        mode=args.mode, auth_token=args.auth_token, pin=args.pin, workdir=args.workdir,
+        mode=args.mode, auth_token=args.auth_token, pin=args.pin or args.demo, workdir=args.workdir,
         plain_verifiers=1 if args.demo else 0,
     )
     stack = Stack(config)
