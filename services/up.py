@@ -89,8 +89,9 @@ class Stack:
         self.redis_url = config.redis_url
         self.workdir = Path(config.workdir or tempfile.mkdtemp(prefix="specd-up-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self._cores = list(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        self._cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         self._next_core = 0
+        self._shared_from = 0  # cores before this index are dedicated to verifiers
 
     # ------------------------------------------------------------------ start
     def start(self, timeout: float = 180.0) -> "Stack":
@@ -111,6 +112,8 @@ class Stack:
         drafter_addresses = []
         # Verifiers are pinned first: the target pass is the critical path.
         cores = {("verifier", i): self._core() for i in range(c.verifiers)}
+        # Drafters (and the rest) share the cores the verifiers left, or all of them if none is left.
+        self._shared_from = self._next_core if self._next_core < len(self._cores) else 0
         if c.drafter:
             for i in range(c.drafters):
                 port = c.drafter_port + i
@@ -144,9 +147,11 @@ class Stack:
             self._wait(service, client, deadline)
 
     def _core(self) -> int | None:
+        """The next core to pin to: verifiers take one each first; the others cycle over the rest."""
         if not self.config.pin or not self._cores:
             return None
-        core = self._cores[self._next_core % len(self._cores)]
+        pool = self._cores[self._shared_from:]
+        core = pool[(self._next_core - self._shared_from) % len(pool)]
         self._next_core += 1
         return core
 

@@ -98,6 +98,7 @@ class TrainerConfig(ServiceConfig):
     loss: str = field(default="e2e-tv", metadata={"help": "e2e-tv, kl, tv or hybrid"})
     lr: float = field(default=3e-4, metadata={"help": "AdamW learning rate"})
     seed: int = field(default=0, metadata={"help": "seeds anchors, branches and the gate"})
+    device: str = field(default="cpu", metadata={"help": "torch device of the drafter being trained and a local target"})
     threads: int = field(default=1, metadata={"help": "torch CPU threads (0 = torch's default)"})
 
     def __post_init__(self) -> None:
@@ -155,9 +156,9 @@ class TrainerService:
         self.config = config
         self.client = client or redis.Redis.from_url(config.redis_url, decode_responses=True)
         self.metrics = metrics or TrainerMetrics(CollectorRegistry())
-        drafter = _load_drafter(config.drafter)
+        drafter = _load_drafter(config.drafter, config.device)
         self.scorer = self._scorer(config, drafter)
-        self.learner = OnlineLearner(self.scorer, drafter, _load_drafter(config.drafter), Path(config.checkpoint_dir),
+        self.learner = OnlineLearner(self.scorer, drafter, _load_drafter(config.drafter, config.device), Path(config.checkpoint_dir),
                                      config=config.specopd(), online=config.online())
         if self.learner.load():
             logger.info("resumed the online checkpoint at step %d (live version %r)",
@@ -177,7 +178,7 @@ class TrainerService:
     @staticmethod
     def _scorer(config: TrainerConfig, drafter: D3DModel) -> TreeScorer:
         if config.target:
-            return LocalScorer(load_model(config.target))
+            return LocalScorer(load_model(config.target, device=config.device))
         if not config.stop_token_ids:
             logger.warning("no --stop-token-ids: branches are supervised past the target's stop tokens")
         return RemoteScorer(config.verifiers, config, config.top_k, vocab_size=drafter.config.vocab_size,
@@ -392,8 +393,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         )
 
 
-def _load_drafter(directory: str | Path) -> D3DModel:
-    model = load_model(directory)
+def _load_drafter(directory: str | Path, device: str = "cpu") -> D3DModel:
+    model = load_model(directory, device=device)
     if not isinstance(model, D3DModel):
         raise ModelLoadError(f"{directory} holds a {type(model).__name__}, not a D3D drafter (model_type specd_d3d)")
     return model

@@ -172,8 +172,13 @@ class RemoteDrafters:
     can_speculate = True
 
     def __init__(
-        self, addresses: Sequence[str], config: ServiceConfig, *, timeout: float = 10.0, retry_seconds: float = 2.0
+        self, addresses: Sequence[str], config: ServiceConfig, *, timeout: float = 10.0, retry_seconds: float = 2.0,
+        vocab_size: int = 0, max_block: int = 0,
     ) -> None:
+        """With ``vocab_size`` and ``max_block`` (what the caller needs: the target's vocabulary
+        and its block size) the pool starts even when no replica answers yet — in a cluster,
+        drafters may come up after verifiers — and uses each replica once its Info agrees.
+        Without them, the first replica to answer defines them and one must answer now."""
         if not addresses:
             raise ValueError("RemoteDrafters needs at least one drafter address (host:port or dns:///name:port)")
         self.addresses = list(addresses)
@@ -183,8 +188,8 @@ class RemoteDrafters:
         self.stats = PoolStats()
         self.version = ""
         """The newest drafter_version seen in an answer."""
-        self.vocab_size = 0
-        self.max_block = 0
+        self.vocab_size = vocab_size
+        self.max_block = max_block
         self._lock = threading.Lock()  # replicas, sequences, stats
         self._replicas: dict[str, _Replica] = {}
         self._resolved: dict[str, list[str]] = {}  # configured address -> replica addresses
@@ -200,6 +205,8 @@ class RemoteDrafters:
         if not self.vocab_size:
             self.close()
             raise DrafterUnavailable(f"no drafter replica answered Info: {', '.join(self.addresses)}")
+        if not any(r.checked for r in self._replicas.values()):
+            logger.warning("no drafter replica answers yet (%s): decoding plain until one does", ", ".join(self.addresses))
 
     # ------------------------------------------------------------------ the drafter contract
     def draft(self, requests: list[DraftRequest]) -> list[DraftBlock]:
@@ -457,10 +464,11 @@ class RemoteDrafters:
         with self._lock:
             if not self.vocab_size:
                 self.vocab_size, self.max_block = info.vocab_size, info.max_block
-            if (info.vocab_size, info.max_block) != (self.vocab_size, self.max_block):
+            if info.vocab_size != self.vocab_size or info.max_block < self.max_block:
                 replica.incompatible = (
                     f"{replica.address} has vocab_size {info.vocab_size} / max_block {info.max_block}, the pool "
-                    f"{self.vocab_size} / {self.max_block}: serve one drafter checkpoint family on every replica"
+                    f"needs {self.vocab_size} / at least {self.max_block}: serve one drafter checkpoint family "
+                    f"(sharing the target's tokenizer) on every replica"
                 )
                 logger.error("not using drafter replica: %s", replica.incompatible)
                 return

@@ -72,6 +72,7 @@ class VerifierConfig(ServiceConfig):
     trace_stream: str = field(default="specd:traces", metadata={"help": "Redis stream of request traces"})
     trace_maxlen: int = field(default=100_000, metadata={"help": "approximate bound of the trace stream"})
     threads: int = field(default=0, metadata={"help": "torch intra-op threads (0 = torch's default)"})
+    device: str = field(default="cpu", metadata={"help": "torch device of the target (cpu, cuda, cuda:1, ...)"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -82,14 +83,18 @@ class VerifierConfig(ServiceConfig):
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, engine: ServingEngine, score: ScoreHandler) -> None:
+    def __init__(self, engine: ServingEngine, score: ScoreHandler, stop_token_ids: tuple[int, ...] = ()) -> None:
         self.engine = engine
         self.score = score
+        self.stop_token_ids = stop_token_ids
+        """The model's end-of-sequence ids: they end every request unless it sets ignore_eos."""
         self.tracer = get_tracer("specd.verifier")
 
     def Generate(self, request: verifier_pb2.GenerateRequest, context: grpc.ServicerContext):
         try:
             params = params_from_proto(request.params)
+            if not request.params.ignore_eos:
+                params.stop_token_ids = tuple(dict.fromkeys((*self.stop_token_ids, *params.stop_token_ids)))
             stream = self.engine.submit(list(request.prompt_token_ids), params, request_id=request.request_id or None)
         except ValueError as err:
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
@@ -173,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_tracing("specd-verifier", config.otlp_endpoint)
     grpc_server = GrpcServer("verifier", config)
     try:
-        target = load_model(config.model)
+        target = load_model(config.model, device=config.device)
         tokenizer = load_tokenizer(config.tokenizer or config.model)
     except (ModelLoadError, OSError, ValueError) as err:
         sys.exit(f"specd-verifier: cannot load the target: {err}")
@@ -182,7 +187,8 @@ def main(argv: list[str] | None = None) -> None:
     if config.drafters:
         try:
             drafters = RemoteDrafters(config.drafters, config, timeout=config.drafter_timeout,
-                                      retry_seconds=config.drafter_retry_seconds)
+                                      retry_seconds=config.drafter_retry_seconds,
+                                      vocab_size=target.config.vocab_size, max_block=config.block_size)
         except ValueError as err:
             sys.exit(f"specd-verifier: {err}")
     traces = TraceWriter(config.redis_url, config.trace_stream, maxlen=config.trace_maxlen) if config.redis_url else None
@@ -202,13 +208,13 @@ def main(argv: list[str] | None = None) -> None:
         on_finish=on_finish,
     )
     REGISTRY.register(EngineCollector(engine, drafters))
+    stop_ids = tuple(getattr(target.config, "stop_token_ids", ()) or ())
     verifier_pb2_grpc.add_VerifierServicer_to_server(
-        VerifierServicer(engine, ScoreHandler(target, engine.target_lock)), grpc_server.server)
+        VerifierServicer(engine, ScoreHandler(target, engine.target_lock), stop_ids), grpc_server.server)
     port = grpc_server.start(["specd.v1.Verifier"])
 
     http = None
     if config.http_port >= 0:
-        stop_ids = tuple(getattr(target.config, "stop_token_ids", ()) or ())
         app = build_app(engine, tokenizer, model_name=config.served_model_name or Path(config.model).name,
                         auth_token=config.auth_token, is_ready=lambda: not grpc_server.draining,
                         default_stop_token_ids=stop_ids)
