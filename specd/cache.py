@@ -26,7 +26,14 @@ from specd.batch import ForwardBatch
 
 
 class KVCache:
-    """Key/value slots for ``num_layers`` attention layers and ``num_seqs`` sequences."""
+    """Key/value slots for ``num_layers`` attention layers and ``num_seqs`` sequences.
+
+    A batch may cover only the first rows (``batch.num_seqs <= num_seqs``): a server with many
+    rows and few busy ones then pays for the busy prefix, not for every row
+    (`supports_row_prefix`).
+    """
+
+    supports_row_prefix = True
 
     def __init__(
         self,
@@ -75,7 +82,8 @@ class KVCache:
         # Advanced indexing puts the indexed dims first: [num_real, num_kv_heads, head_dim].
         cache_k[seq_index, :, slot_index] = keys[seq_index, :, new_index].to(cache_k.dtype)
         cache_v[seq_index, :, slot_index] = values[seq_index, :, new_index].to(cache_v.dtype)
-        return cache_k[:, :, :num_slots], cache_v[:, :, :num_slots]
+        rows = batch.num_seqs  # the batch covers the first `rows` cache rows
+        return cache_k[:rows, :, :num_slots], cache_v[:rows, :, :num_slots]
 
     def commit(self, batch: ForwardBatch, paths: Sequence[Sequence[int] | None]) -> None:
         """Keep ``paths[b]`` (root-to-node node indices) of each sequence's tree; see module doc.
@@ -98,11 +106,13 @@ class KVCache:
         self.lengths = lengths.clone()
 
     def prepare(self, batch: ForwardBatch) -> None:
-        """Make room for a batch's writes before the pass."""
-        if bool((batch.cache_lens != self.lengths).any()):
+        """Make room for a batch's writes before the pass (it covers the first rows)."""
+        if batch.num_seqs > len(self.lengths):
+            raise ValueError(f"the batch has {batch.num_seqs} sequences, the cache {len(self.lengths)} rows")
+        if bool((batch.cache_lens != self.lengths[: batch.num_seqs]).any()):
             raise ValueError(
                 "the batch was built for other cache lengths than the cache holds: "
-                f"{batch.cache_lens.tolist()} vs {self.lengths.tolist()}"
+                f"{batch.cache_lens.tolist()} vs {self.lengths[: batch.num_seqs].tolist()}"
             )
         self.reserve(batch.mask.shape[-1])
 

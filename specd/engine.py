@@ -13,6 +13,7 @@ code path as everything it is compared with.
 
 from __future__ import annotations
 
+import heapq
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -246,12 +247,12 @@ class SpeculativeEngine:
         waiting = list(range(len(prompts)))
         running: list[_Sequence] = []
         results: list[Generation | None] = [None] * len(prompts)
-        free_rows = list(range(self.config.max_num_seqs - 1, -1, -1))
+        free_rows = list(range(self.config.max_num_seqs))  # a heap: the lowest free row first
         start = time.perf_counter()
         while waiting or running:
             while waiting and free_rows:
                 i = waiting.pop(0)
-                row = free_rows.pop()
+                row = heapq.heappop(free_rows)
                 self._reset_row(row)
                 running.append(_Sequence(
                     seq_id=i, row=row, params=params[i], generator=params[i].generator(self.device),
@@ -261,7 +262,7 @@ class SpeculativeEngine:
             for seq in [s for s in running if s.done]:
                 running.remove(seq)
                 results[seq.seq_id] = seq.generation
-                free_rows.append(seq.row)
+                heapq.heappush(free_rows, seq.row)
                 self._release(seq.seq_id)
         self.stats.seconds_total += time.perf_counter() - start
         return results
@@ -304,7 +305,7 @@ class SpeculativeEngine:
                 if hit is not None:
                     self.stats.num_candidate_hits += 1
                     seq.block = hit
-        self.cache.commit(self._last_batch, paths)
+        self.cache.commit(self._last_batch, paths[: self._last_batch.num_seqs])
         for seq in running:
             seq.cached = len(seq.context) - 1 if not seq.done else seq.cached
 
@@ -365,10 +366,12 @@ class SpeculativeEngine:
     @torch.no_grad()
     def _verify_pass(self, running: list[_Sequence], blocks: list[list[int]]) -> list[Tensor]:
         """Target distributions ``[len(block) + 1, vocab]`` per sequence, after its params."""
-        trees = [TokenTree.chain([], int(length)) for length in self.cache.lengths]
+        # Rows past the highest busy one stay out of the pass when the cache allows it.
+        rows = max(s.row for s in running) + 1 if getattr(self.cache, "supports_row_prefix", False) else len(self.cache.lengths)
+        trees = [TokenTree.chain([], int(length)) for length in self.cache.lengths[:rows]]
         for seq, block in zip(running, blocks):
             trees[seq.row] = TokenTree.chain(seq.context[seq.cached :] + block, seq.cached)
-        batch = ForwardBatch.from_trees(trees, self.cache.lengths, self.device)
+        batch = ForwardBatch.from_trees(trees, self.cache.lengths[:rows], self.device)
         self._last_batch = batch
         if getattr(self.drafter, "needs_target_hidden", False):
             self._last_hidden = self.target.hidden_states(batch, self.cache)  # [rows, max_new, hidden]

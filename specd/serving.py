@@ -18,6 +18,7 @@ verifier's tree scoring for the trainer) interleave between steps instead of rac
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import queue
 import random
@@ -161,7 +162,7 @@ class ServingEngine:
         self._waiting: deque[_Pending] = deque()
         self._running: list[_Sequence] = []
         self._streams: dict[int, tuple[_Pending, int]] = {}  # seq_id -> (request, tokens sent)
-        self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
+        self._free_rows = list(range(config.max_num_seqs))  # a heap: busy rows stay a short prefix
         self._stopping = False
         self._drain = True
         self._ids = random.Random()  # drafter-side sequence ids: unique across verifiers
@@ -245,7 +246,7 @@ class ServingEngine:
             if pending.stream.cancelled.is_set():
                 pending.stream._put(Delta(request_id=pending.stream.request_id, token_ids=[], finish_reason="abort"))
                 continue
-            row = self._free_rows.pop()
+            row = heapq.heappop(self._free_rows)
             self.engine._reset_row(row)
             seq_id = self._ids.getrandbits(63)
             self._running.append(_Sequence(
@@ -277,7 +278,7 @@ class ServingEngine:
         pending, _ = self._streams.pop(seq.seq_id)
         stream = pending.stream
         self._running.remove(seq)
-        self._free_rows.append(seq.row)
+        heapq.heappush(self._free_rows, seq.row)
         self.engine._release(seq.seq_id)
         out = seq.generation
         usage = Usage(

@@ -20,6 +20,7 @@ it — all in ONE pass together with the block itself.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 import torch
@@ -79,20 +80,20 @@ class D3DDrafter:
         self.max_num_seqs = max_num_seqs
         self.cache = model.new_cache(max_num_seqs)
         self.seqs: dict[int, _Seq] = {}
-        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self.free_rows = list(range(max_num_seqs))  # a heap: busy rows stay a short prefix
         self.num_passes = 0
 
     # ---------------------------------------------------------------- sequences
     def release(self, seq_id: int) -> None:
         seq = self.seqs.pop(seq_id, None)
         if seq is not None:
-            self.free_rows.append(seq.row)
+            heapq.heappush(self.free_rows, seq.row)
 
     def _seq(self, seq_id: int, params: SamplingParams) -> _Seq:
         if seq_id not in self.seqs:
             if not self.free_rows:
                 raise RuntimeError(f"the drafter holds {self.max_num_seqs} sequences; release one first")
-            row = self.free_rows.pop()
+            row = heapq.heappop(self.free_rows)
             self._set_length(row, 0)
             self.seqs[seq_id] = _Seq(row=row, generator=params.generator(self.device))
         return self.seqs[seq_id]
@@ -119,7 +120,7 @@ class D3DDrafter:
             entry[1][seq.row] = path
             seq.tokens = context[: base + len(path)]
         for draft_pass, paths in by_pass.values():
-            self.cache.commit(draft_pass.batch, paths)
+            self.cache.commit(draft_pass.batch, paths[: draft_pass.batch.num_seqs])
         unseen = []
         for seq, context in zip(seqs, contexts):
             seq.last_pass, seq.children = None, {}
@@ -142,8 +143,10 @@ class D3DDrafter:
 
         Returns the pass and the fp32 logits ``[num_groups, max_group, vocab]`` of the masks.
         """
+        # Only the rows up to the highest one with work: idle rows past it cost nothing.
+        rows = 1 + max([*known, *(g.seq for g in groups)], default=0)
         trees = []
-        for row in range(self.max_num_seqs):
+        for row in range(rows):
             nodes = known.get(row, [])
             start = int(self.cache.lengths[row])
             trees.append(TokenTree(
@@ -151,7 +154,7 @@ class D3DDrafter:
                 torch.tensor([p for p, _ in nodes], dtype=torch.long),
                 torch.full((len(nodes),), start, dtype=torch.long),
             ))
-        draft_pass = build_draft_pass(trees, groups, self.model.config.mask_token_id, self.cache.lengths, self.device)
+        draft_pass = build_draft_pass(trees, groups, self.model.config.mask_token_id, self.cache.lengths[:rows], self.device)
         target_hidden = None
         if hidden is not None:
             batch = draft_pass.batch

@@ -68,7 +68,7 @@ class DFlashDrafter(D3DDrafter):
             if plan is not None:
                 seq, tokens, _ = plan
                 paths[seq.row] = list(range(len(tokens)))  # commit what has states, not c
-        self.cache.commit(draft_pass.batch, paths)
+        self.cache.commit(draft_pass.batch, paths[: draft_pass.batch.num_seqs])
         blocks = []
         for request, plan in zip(requests, plans):
             if plan is None:
