@@ -10,6 +10,10 @@
     specd bench decode [--quick]       speculative vs plain decoding, same run: table, JSON, plots
     specd bench trees [--quick]        one packed tree pass vs its paths one by one, per target kind
     specd bench opd [--quick]          SpecOPD vs sequential OPD vs offline distillation, same run
+    specd bench serve [--quick]        end to end through the services: plain vs sync vs async D3D
+    specd bench profile [--quick]      pass costs + acceptance as JSON for specd plan
+    specd plan --profile F --gpus N    drafter:verifier split + block length by simulation; Helm override
+    specd up [--drafters N] ...        the services on this machine (Redis, trainer, drafters, verifiers)
 
 Errors a user can cause (a missing directory, an unsupported architecture, ids outside the
 vocabulary, an empty prompt) print one line saying what was wrong and exit with status 2.
@@ -28,6 +32,7 @@ from tokenizers import Tokenizer
 
 from specd import zoo
 from specd.bench import opd as bench_opd
+from specd.bench import profile as bench_profile
 from specd.bench import trees as bench_trees
 from specd.bench.decode import METHODS, DecodeSettings
 from specd.bench.decode import main as bench_decode_main
@@ -38,6 +43,7 @@ from specd.drafters.ngram import NgramDrafter
 from specd.engine import EngineConfig, SpeculativeEngine, check_prompt
 from specd.models.d3d import D3DModel
 from specd.models.loading import ModelLoadError, load_model, save_model
+from specd.plan import planner
 from specd.sampling import SamplingParams
 from specd.train.drafter import (
     DrafterTrainConfig,
@@ -371,9 +377,16 @@ def parser() -> argparse.ArgumentParser:
     opd_bench = bench.add_parser("opd", help="SpecOPD vs sequential OPD vs offline distillation on the zoo, same run")
     bench_opd.add_arguments(opd_bench)
     opd_bench.set_defaults(func=bench_opd.run)
+    profile_bench = bench.add_parser("profile", help="pass costs of the target and D3D drafter, acceptance and hit rate (JSON for specd plan)")
+    bench_profile.add_arguments(profile_bench)
+    profile_bench.set_defaults(func=bench_profile.run)
     serve_bench = bench.add_parser("serve", help="end to end through the services: plain vs sync vs async D3D, by concurrency")
     serve_bench.set_defaults(func=cmd_bench_serve)
     _services_module("bench").add_arguments(serve_bench)
+
+    plan_cmd = commands.add_parser("plan", help="drafter:verifier split and block length for a GPU budget, by simulation; writes a Helm values override")
+    planner.add_arguments(plan_cmd)
+    plan_cmd.set_defaults(func=planner.run)
 
     up = commands.add_parser("up", help="run the services on this machine: Redis, trainer, drafters, verifiers")
     up.set_defaults(func=cmd_up)

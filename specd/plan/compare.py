@@ -1,0 +1,111 @@
+"""The simulator against `specd bench serve`: the same deployments and loads, side by side.
+
+`specd bench serve` writes ``{"settings": {...}, "rows": [...]}``: per deployment ("plain",
+"sync 2:1", "async 1:1", ... — drafters:verifiers, one verifier) and concurrency, the requests
+it completed, output tokens/s, TTFT/TPOT percentiles, τ and hit rate. `compare_serve` simulates
+every row under the same settings (block size, verifier rows, closed loop of the same
+concurrency and request count) with the profile's costs and workload (prompt lengths; output
+lengths capped at the run's ``max_tokens``), averages a few seeds (a level of a few requests is
+noisy), and reports simulated / measured. ``use_measured_hits`` takes each row's measured hit
+rate instead of the profile's, to tell cost-model error from acceptance error.
+
+What the simulator does not see: CPU cores shared between services and the client (the bench
+pins one core per service where it can; on a small machine they still share memory bandwidth),
+and the HTTP layer beyond one network hop each way.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from specd.plan.profile import Profile
+from specd.plan.sim import Lengths, SimConfig, Workload, simulate
+
+_DEPLOYMENT = re.compile(r"^(sync|async) (\d+):(\d+)$")
+
+
+@dataclass(kw_only=True, slots=True)
+class CompareRow:
+    deployment: str
+    concurrency: int
+    requests: int
+    measured_tokens_per_s: float
+    simulated_tokens_per_s: float
+    measured_tpot_p50: float
+    simulated_tpot_p50: float
+    measured_ttft_p50: float
+    simulated_ttft_p50: float
+    measured_tau: float
+    simulated_tau: float
+
+    @property
+    def ratio(self) -> float:
+        """Simulated over measured tokens/s."""
+        return self.simulated_tokens_per_s / self.measured_tokens_per_s if self.measured_tokens_per_s else float("nan")
+
+
+def deployment_config(name: str, settings: dict) -> SimConfig:
+    """A `specd bench serve` deployment name and settings -> the simulated deployment."""
+    common = {"max_num_seqs": int(settings.get("max_num_seqs", 16)), "adaptive_block": True}
+    if name == "plain":
+        return SimConfig(mode="plain", drafters=0, block_size=0, **common)
+    match = _DEPLOYMENT.match(name)
+    if match is None:
+        raise ValueError(f"unknown bench serve deployment {name!r}: expected 'plain' or '<sync|async> D:V'")
+    mode, drafters, verifiers = match.group(1), int(match.group(2)), int(match.group(3))
+    return SimConfig(mode=mode, drafters=drafters, verifiers=verifiers,
+                     block_size=int(settings.get("block_size", 8)), **common)
+
+
+def compare_serve(profile: Profile, serve: dict, *, seeds: int = 3, use_measured_hits: bool = False) -> list[CompareRow]:
+    """Simulate every row of a `specd bench serve` JSON (module docstring)."""
+    if not isinstance(serve, dict) or not isinstance(serve.get("rows"), list) or "settings" not in serve:
+        raise ValueError("not a `specd bench serve` JSON: expected {\"settings\": {...}, \"rows\": [...]}")
+    settings = serve["settings"]
+    max_tokens = int(settings.get("max_tokens", 64))
+    prompts = Lengths.parse(profile.prompt_tokens or 96)
+    outputs = Lengths.parse([min(n, max_tokens) for n in profile.output_tokens] if profile.output_tokens else max_tokens)
+    out = []
+    for row in serve["rows"]:
+        if not row.get("requests"):
+            continue  # a level that completed nothing has nothing to compare
+        config = deployment_config(row["deployment"], settings)
+        if use_measured_hits and config.mode == "async":
+            config.hit_rate = float(row.get("hit_rate", 0.0))
+        results = []
+        for seed in range(seeds):
+            config.seed = seed
+            workload = Workload(requests=int(row["requests"]), concurrency=int(row["concurrency"]),
+                                prompt_tokens=prompts, output_tokens=outputs)
+            results.append(simulate(profile, config, workload))
+        mean = {name: float(np.mean([getattr(r, name) for r in results]))
+                for name in ("tokens_per_s", "tpot_p50", "ttft_p50", "tau")}
+        out.append(CompareRow(
+            deployment=row["deployment"], concurrency=int(row["concurrency"]), requests=int(row["requests"]),
+            measured_tokens_per_s=float(row["tokens_per_s"]), simulated_tokens_per_s=mean["tokens_per_s"],
+            measured_tpot_p50=float(row["tpot_p50"]), simulated_tpot_p50=mean["tpot_p50"],
+            measured_ttft_p50=float(row["ttft_p50"]), simulated_ttft_p50=mean["ttft_p50"],
+            measured_tau=float(row.get("tau", 1.0)), simulated_tau=mean["tau"],
+        ))
+    if not out:
+        raise ValueError("the bench serve JSON has no rows with completed requests")
+    return out
+
+
+def format_compare(rows: list[CompareRow]) -> str:
+    head = (f"{'deployment':<11}{'conc':>5}{'reqs':>5}{'tok/s meas':>11}{'sim':>9}{'sim/meas':>9}"
+            f"{'TPOT meas':>10}{'sim':>8}{'TTFT meas':>10}{'sim':>8}{'tau meas':>9}{'sim':>6}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r.deployment:<11}{r.concurrency:>5}{r.requests:>5}{r.measured_tokens_per_s:>11.1f}"
+            f"{r.simulated_tokens_per_s:>9.1f}{r.ratio:>8.2f}x{r.measured_tpot_p50 * 1e3:>8.1f}ms"
+            f"{r.simulated_tpot_p50 * 1e3:>6.1f}ms{r.measured_ttft_p50 * 1e3:>8.0f}ms{r.simulated_ttft_p50 * 1e3:>6.0f}ms"
+            f"{r.measured_tau:>9.2f}{r.simulated_tau:>6.2f}")
+    ratios = [r.ratio for r in rows]
+    lines.append(f"tokens/s sim/meas: median {np.median(ratios):.2f}, worst {max(ratios, key=lambda x: abs(x - 1)):.2f}; "
+                 f"within 15%: {sum(abs(x - 1) <= 0.15 for x in ratios)}/{len(ratios)}")
+    return "\n".join(lines)

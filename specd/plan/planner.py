@@ -1,0 +1,389 @@
+"""`specd plan`: how many drafters per verifier, and which block length, for a GPU budget.
+
+For a budget of ``gpus`` (a verifier replica takes ``gpus_per_verifier``, a drafter replica
+``gpus_per_drafter``), the planner simulates (`specd.plan.sim`) every drafter:verifier split
+the budget allows — all of them up to 16 verifier replicas, else a list of ratios, or the
+``--ratios`` given — at every block length, plus plain decoding on the whole budget, under
+the same load. It prints the table and picks the highest tokens/s, optionally among the splits
+whose TPOT p99 meets ``--tpot-slo-ms`` (under open-loop arrivals, where every split that keeps
+up serves the same tokens/s: the lowest TPOT p99 within 2% of the best). It writes a Helm values
+override for the chart (`deploy/k8s/specd`: ``drafter.replicas``, ``verifier.replicas``,
+``verifier.extraArgs``) and a PNG of throughput against the ratio, per block and per load level.
+
+A split uses its GPUs fully where it can: for a ratio r = D/V, V = floor(N / (g_v + r g_d)) and
+D takes what is left. Figures are as good as the profile; the planner cannot see what the profile
+does not hold (a drafter pass bigger than the table extends linearly, acceptance past the measured
+block carries the last conditional rate on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass, field
+from fractions import Fraction
+from pathlib import Path
+
+from matplotlib.figure import Figure
+from tqdm import tqdm
+
+from specd.plan.compare import compare_serve, format_compare
+from specd.plan.profile import Profile, load_profile
+from specd.plan.sim import Lengths, SimConfig, SimResult, TraceRequest, Workload, load_trace, simulate
+
+DEFAULT_RATIOS = ("1:8", "1:6", "1:4", "1:3", "1:2", "2:3", "1:1", "3:2", "2:1", "3:1")
+"""Drafters:verifiers tried when the budget holds more than `ENUMERATE_UP_TO` verifiers."""
+ENUMERATE_UP_TO = 16
+
+
+@dataclass(kw_only=True, slots=True)
+class Split:
+    verifiers: int
+    drafters: int
+
+    @property
+    def ratio(self) -> float:
+        return self.drafters / self.verifiers
+
+
+@dataclass(kw_only=True)
+class PlanSettings:
+    gpus: int
+    gpus_per_verifier: int = 1
+    gpus_per_drafter: int = 1
+    concurrency: int = 0
+    rate: float = 0.0
+    trace: list[TraceRequest] | None = None
+    """Requests' lengths (and arrival times: then it is the load) from a trace (`load_trace`)."""
+    block_sizes: tuple[int, ...] = (2, 4, 8, 16)
+    ratios: tuple[str, ...] = ()
+    """Drafters:verifiers ("1:2", "0.5"); empty = every split (or `DEFAULT_RATIOS` on big budgets)."""
+    mode: str = "async"
+    requests: int = 0
+    """Requests per simulation (0: 4 x concurrency, at least 256; 1024 for Poisson arrivals)."""
+    prompt_tokens: str = ""
+    output_tokens: str = ""
+    """Length specs (`Lengths.parse`); empty = the profile's observed workload, else 128 / 256."""
+    max_num_seqs: int = 64
+    """Verifier rows (the chart's ``verifier.config.max_num_seqs``)."""
+    drafter_max_num_seqs: int = 64
+    adaptive_block: bool = True
+    padded_rows: bool | None = None
+    tpot_slo: float = 0.0
+    """Seconds; TPOT p99 must not exceed it (0 = no SLO)."""
+    plain: bool = True
+    """Also simulate plain decoding on the whole budget (the baseline, and a valid choice)."""
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.gpus_per_verifier < 1 or self.gpus_per_drafter < 1:
+            raise ValueError("--gpus-per-verifier and --gpus-per-drafter must be >= 1")
+        if self.gpus < self.gpus_per_verifier:
+            raise ValueError(f"--gpus {self.gpus} cannot hold one verifier replica ({self.gpus_per_verifier} GPUs): "
+                             "raise --gpus or lower --gpus-per-verifier")
+        timed = self.trace is not None and all(t.arrival_s is not None for t in self.trace)
+        if sum((self.concurrency > 0, self.rate > 0, timed)) != 1:
+            raise ValueError("give the load as exactly one of --concurrency C (closed loop), --rate R (requests/s), "
+                             "or --trace FILE with arrival_s on every line")
+        if not self.block_sizes or min(self.block_sizes) < 1:
+            raise ValueError(f"--block-sizes must be positive integers, got {self.block_sizes}")
+        if self.tpot_slo < 0:
+            raise ValueError(f"--tpot-slo-ms must be >= 0, got {self.tpot_slo * 1000}")
+
+    def workload(self, profile: Profile, load: float | None = None) -> Workload:
+        """The load (``load`` overrides the concurrency or rate, for the plot's levels)."""
+        prompt = self.prompt_tokens or (profile.prompt_tokens if profile.prompt_tokens else "128")
+        output = self.output_tokens or (profile.output_tokens if profile.output_tokens else "256")
+        lengths = {"prompt_tokens": Lengths.parse(prompt), "output_tokens": Lengths.parse(output), "trace": self.trace}
+        if self.concurrency:
+            concurrency = max(1, round(load if load is not None else self.concurrency))
+            return Workload(requests=self.requests or max(4 * concurrency, 256), concurrency=concurrency, **lengths)
+        if self.rate:
+            return Workload(requests=self.requests or 1024, rate=load if load is not None else self.rate, **lengths)
+        return Workload(**lengths)  # the trace's own arrivals
+
+
+def parse_ratio(text: str) -> Fraction:
+    """"D:V" (drafters:verifiers) or a number D/V; ValueError for anything else."""
+    text = text.strip()
+    try:
+        if ":" in text:
+            drafters, verifiers = (int(p) for p in text.split(":"))
+            if verifiers < 1:
+                raise ZeroDivisionError
+            ratio = Fraction(drafters, verifiers)
+        else:
+            ratio = Fraction(text).limit_denominator(64)
+    except (ValueError, ZeroDivisionError):
+        raise ValueError(f"bad ratio {text!r}: write drafters:verifiers (1:2, 2:1) or a number (0.5), "
+                         "with at least one verifier") from None
+    if ratio < 0 or ratio > 64:
+        raise ValueError(f"bad ratio {text!r}: drafters per verifier must be in [0, 64]")
+    return ratio
+
+
+def splits(settings: PlanSettings) -> list[Split]:
+    """Drafter:verifier splits of the budget, each with at least one verifier and one drafter."""
+    gpus, gv, gd = settings.gpus, settings.gpus_per_verifier, settings.gpus_per_drafter
+    if settings.ratios:
+        ratios = [parse_ratio(r) for r in settings.ratios]
+    elif gpus // gv <= ENUMERATE_UP_TO:
+        out = [Split(verifiers=v, drafters=(gpus - v * gv) // gd) for v in range(1, gpus // gv + 1)]
+        return [s for s in out if s.drafters >= 1]
+    else:
+        ratios = [parse_ratio(r) for r in DEFAULT_RATIOS]
+    out: list[Split] = []
+    for ratio in ratios:
+        if ratio == 0:
+            continue  # plain decoding: its own row
+        verifiers = int(gpus / (gv + float(ratio) * gd))
+        verifiers = min(verifiers, (gpus - gd) // gv)  # room for at least one drafter
+        if verifiers < 1:
+            continue
+        split = Split(verifiers=verifiers, drafters=(gpus - verifiers * gv) // gd)
+        if split not in out:
+            out.append(split)
+    return out
+
+
+@dataclass(kw_only=True, slots=True)
+class PlanRow:
+    split: Split
+    block_size: int
+    mode: str
+    result: SimResult
+    meets_slo: bool = True
+
+
+@dataclass(kw_only=True)
+class Plan:
+    rows: list[PlanRow]
+    best: PlanRow
+    plain: PlanRow | None
+    levels: dict[float, list[PlanRow]] = field(default_factory=dict)
+    """Load level -> rows at the best block (for the plot)."""
+
+
+def _config(settings: PlanSettings, split: Split, block: int, mode: str) -> SimConfig:
+    return SimConfig(mode=mode, verifiers=split.verifiers, drafters=split.drafters if mode != "plain" else 0,
+                     block_size=block if mode != "plain" else 0, max_num_seqs=settings.max_num_seqs,
+                     drafter_max_num_seqs=settings.drafter_max_num_seqs, adaptive_block=settings.adaptive_block,
+                     padded_rows=settings.padded_rows, seed=settings.seed)
+
+
+def plan(profile: Profile, settings: PlanSettings, *, levels: tuple[float, ...] = (), progress: bool = True) -> Plan:
+    """Simulate every candidate; the best by tokens/s (under the SLO when one is set)."""
+    settings.validate()
+    if profile.group_sizes and max(settings.block_sizes) > max(profile.group_sizes) - 1:
+        raise ValueError(f"block {max(settings.block_sizes)} is above the drafter's largest block "
+                         f"{max(profile.group_sizes) - 1} (its mask groups: {profile.group_sizes}): lower --block-sizes")
+    candidates = splits(settings)
+    plain_split = Split(verifiers=settings.gpus // settings.gpus_per_verifier, drafters=0)
+    if settings.ratios and not candidates and any(parse_ratio(r) > 0 for r in settings.ratios):
+        raise ValueError(f"none of the ratios {', '.join(settings.ratios)} fits in {settings.gpus} GPUs "
+                         f"({settings.gpus_per_verifier} per verifier, {settings.gpus_per_drafter} per drafter)")
+    if not candidates and not settings.plain:
+        raise ValueError(f"--gpus {settings.gpus} leaves no room for a drafter next to a verifier "
+                         f"({settings.gpus_per_verifier} + {settings.gpus_per_drafter} GPUs) and plain decoding is off")
+    jobs = [(split, block, settings.mode) for split in candidates for block in settings.block_sizes]
+    if settings.plain:
+        jobs.insert(0, (plain_split, 0, "plain"))
+    workload = settings.workload(profile)
+    rows = []
+    for split, block, mode in tqdm(jobs, desc="specd plan", unit="sim", disable=not progress):
+        result = simulate(profile, _config(settings, split, block, mode), workload)
+        meets = not settings.tpot_slo or result.tpot_p99 <= settings.tpot_slo
+        rows.append(PlanRow(split=split, block_size=block, mode=mode, result=result, meets_slo=meets))
+    eligible = [r for r in rows if r.meets_slo]
+    if not eligible:
+        fastest = min(rows, key=lambda r: r.result.tpot_p99)
+        raise ValueError(f"no split meets TPOT p99 <= {settings.tpot_slo * 1000:.1f} ms (the best is "
+                         f"{fastest.result.tpot_p99 * 1000:.1f} ms): relax --tpot-slo-ms, lower the load, or add GPUs")
+    best = max(eligible, key=lambda r: r.result.tokens_per_s)
+    if not settings.concurrency:
+        # Open loop: every split that keeps up serves the offered load, so tokens/s barely differ;
+        # among those within 2% of the best, the lowest TPOT p99 wins.
+        keeping_up = [r for r in eligible if r.result.tokens_per_s >= 0.98 * best.result.tokens_per_s]
+        best = min(keeping_up, key=lambda r: r.result.tpot_p99)
+    plain_row = rows[0] if settings.plain else None
+    result = Plan(rows=rows, best=best, plain=plain_row)
+    if levels:
+        level_jobs = [(load, split) for load in levels for split in candidates]
+        for load, split in tqdm(level_jobs, desc="specd plan: load levels", unit="sim", disable=not progress):
+            mode = settings.mode if best.mode != "plain" else "async"
+            block = best.block_size or max(settings.block_sizes)
+            res = simulate(profile, _config(settings, split, block, mode), settings.workload(profile, load))
+            result.levels.setdefault(load, []).append(PlanRow(split=split, block_size=block, mode=mode, result=res))
+    return result
+
+
+# ====================================================================== output
+def format_table(result: Plan) -> str:
+    head = (f"{'':1}{'ratio D:V':>10}{'verif':>6}{'draft':>6}{'block':>6}{'tok/s':>10}{'vs plain':>9}{'tau':>6}"
+            f"{'hit':>5}{'TTFT p50':>10}{'TPOT p50':>10}{'p99':>8}{'drafter':>8}{'slo':>4}")
+    lines = [head, "-" * len(head)]
+    plain = result.plain.result.tokens_per_s if result.plain else float("nan")
+    for row in result.rows:
+        r = row.result
+        ratio = f"{row.split.drafters}:{row.split.verifiers}" if row.mode != "plain" else "plain"
+        lines.append(
+            f"{'*' if row is result.best else ' '}{ratio:>10}{row.split.verifiers:>6}{row.split.drafters:>6}"
+            f"{row.block_size:>6}{r.tokens_per_s:>10.1f}{r.tokens_per_s / plain:>8.2f}x{r.tau:>6.2f}{r.hit_rate:>5.0%}"
+            f"{r.ttft_p50 * 1e3:>8.1f}ms{r.tpot_p50 * 1e3:>8.2f}ms{r.tpot_p99 * 1e3:>6.2f}ms"
+            f"{r.drafter_utilisation:>8.0%}{'' if row.meets_slo else 'no':>4}")
+    return "\n".join(lines)
+
+
+def values_override(result: Plan, settings: PlanSettings, profile_path: str) -> str:
+    """The Helm values override for the chosen split (YAML; lists in flow style)."""
+    best = result.best
+    args = []
+    if best.mode != "plain":
+        args += ["--block-size", str(best.block_size)]
+        if best.mode != "async":
+            args += ["--mode", best.mode]
+    args += ["--max-num-seqs", str(settings.max_num_seqs)]
+    load = (f"concurrency {settings.concurrency}" if settings.concurrency
+            else f"{settings.rate} requests/s" if settings.rate else "a trace")
+    r = best.result
+    return "\n".join([
+        f"# specd plan: {settings.gpus} GPUs, {load}, profile {profile_path}",
+        (f"# chosen: {best.split.verifiers} verifiers + {best.split.drafters} drafters, "
+        f"{'plain decoding' if best.mode == 'plain' else f'block {best.block_size}, {best.mode}'}: "
+        f"{r.tokens_per_s:.1f} tokens/s, TPOT p50 {r.tpot_p50 * 1e3:.2f} ms, p99 {r.tpot_p99 * 1e3:.2f} ms (simulated)"),
+        "drafter:",
+        f"  replicas: {best.split.drafters}",
+        "verifier:",
+        f"  replicas: {best.split.verifiers}",
+        f"  extraArgs: {json.dumps(args)}",
+        "",
+    ])
+
+
+def plot(result: Plan, settings: PlanSettings, path: Path) -> Path:
+    fig = Figure(figsize=(11, 4))
+    by_block, by_level = fig.subplots(1, 2)
+    load_name = "concurrency" if settings.concurrency else "requests/s"
+    for block in settings.block_sizes:
+        mine = sorted((r for r in result.rows if r.block_size == block and r.mode != "plain"), key=lambda r: r.split.ratio)
+        if mine:
+            by_block.plot([r.split.ratio for r in mine], [r.result.tokens_per_s for r in mine], marker="o", label=f"block {block}")
+    if result.plain is not None:
+        by_block.axhline(result.plain.result.tokens_per_s, color="grey", linestyle="--", label="plain")
+    by_block.set_title(f"{settings.gpus} GPUs, " + (f"{load_name} {settings.concurrency or settings.rate}"
+                                                     if settings.concurrency or settings.rate else "trace"))
+    for load, rows in sorted(result.levels.items()):
+        mine = sorted(rows, key=lambda r: r.split.ratio)
+        by_level.plot([r.split.ratio for r in mine], [r.result.tokens_per_s for r in mine], marker="o",
+                      label=f"{load_name} {load:g}")
+    by_level.set_title(f"by load, block {result.levels and next(iter(result.levels.values()))[0].block_size}")
+    for ax in (by_block, by_level):
+        ax.set_xlabel("drafters per verifier")
+        ax.set_ylabel("output tokens/s (simulated)")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    if not result.levels:
+        by_level.set_axis_off()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+# ====================================================================== command line
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--profile", required=True, help="profile JSON (`specd bench profile`, or hand-written)")
+    parser.add_argument("--gpus", type=int, default=0, help="GPU budget: verifier and drafter replicas together")
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=int, default=0, help="closed loop of C concurrent clients")
+    load.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals, requests per second")
+    parser.add_argument("--trace", default="", help="JSONL of requests (arrival_s, prompt/output lengths or ids): its "
+                        "arrivals are the load; without arrival_s, its lengths replayed by --concurrency or --rate")
+    parser.add_argument("--block-sizes", default="2,4,8,16", help="block lengths to try (comma-separated)")
+    parser.add_argument("--ratios", default="", help="drafters:verifiers to try, e.g. 1:4,1:2,1:1,2:1 (default: every split)")
+    parser.add_argument("--gpus-per-verifier", type=int, default=1)
+    parser.add_argument("--gpus-per-drafter", type=int, default=1)
+    parser.add_argument("--mode", choices=("async", "sync"), default="async", help="how the verifiers use drafters")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="verifier rows (its --max-num-seqs; the chart's 64)")
+    parser.add_argument("--drafter-max-num-seqs", type=int, default=64, help="drafter rows (its --max-num-seqs)")
+    parser.add_argument("--prompt-tokens", default="", help="N, uniform:LO:HI or geometric:MEAN[:MAX] (default: the profile's)")
+    parser.add_argument("--output-tokens", default="", help="as --prompt-tokens (default: the profile's, else 256)")
+    parser.add_argument("--requests", type=int, default=0, help="requests per simulation (default 4 x C, at least 256)")
+    parser.add_argument("--tpot-slo-ms", type=float, default=0.0, help="pick only splits with TPOT p99 at or under this")
+    parser.add_argument("--fixed-block", action="store_true", help="verifiers run with --adaptive-block off")
+    parser.add_argument("--rows", choices=("profile", "padded", "running"), default="profile",
+                        help="pass cost by all cache rows (specd's engine) or running sequences (default: the profile's)")
+    parser.add_argument("--no-plain", action="store_true", help="do not consider plain decoding")
+    parser.add_argument("--levels", default="0.25,1,4", help="load multipliers for the plot's second panel ('' = none)")
+    parser.add_argument("--out", default="values-override.yaml", help="Helm values override to write")
+    parser.add_argument("--plot", default="", help="PNG path (default: beside --out, plan.png)")
+    parser.add_argument("--json", default="", help="also write every row as JSON here")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compare-serve", default="", metavar="SERVE_JSON",
+                        help="instead of planning: simulate the rows of a `specd bench serve` JSON and compare")
+    parser.add_argument("--measured-hits", action="store_true", help="with --compare-serve: use each row's measured hit rate")
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not values:
+        raise ValueError(f"{flag} is empty")
+    return values
+
+
+def run(args: argparse.Namespace) -> int:
+    profile = load_profile(args.profile)
+    if args.compare_serve:
+        path = Path(args.compare_serve)
+        if not path.is_file():
+            raise ValueError(f"no bench serve JSON at {path}: run `specd bench serve --json {path}` first")
+        rows = compare_serve(profile, json.loads(path.read_text()), use_measured_hits=args.measured_hits)
+        print(format_compare(rows))
+        return 0
+    if args.gpus < 1:
+        raise ValueError("--gpus N is required (the GPU budget), with --concurrency C or --rate R")
+    settings = PlanSettings(
+        gpus=args.gpus, gpus_per_verifier=args.gpus_per_verifier, gpus_per_drafter=args.gpus_per_drafter,
+        concurrency=args.concurrency, rate=args.rate, block_sizes=_ints(args.block_sizes, "--block-sizes"),
+        ratios=tuple(r for r in args.ratios.split(",") if r.strip()), mode=args.mode, requests=args.requests,
+        prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens, max_num_seqs=args.max_num_seqs,
+        drafter_max_num_seqs=args.drafter_max_num_seqs, adaptive_block=not args.fixed_block,
+        padded_rows={"profile": None, "padded": True, "running": False}[args.rows],
+        trace=load_trace(args.trace) if args.trace else None,
+        tpot_slo=args.tpot_slo_ms / 1000, plain=not args.no_plain, seed=args.seed,
+    )
+    if args.concurrency < 0 or args.rate < 0:
+        raise ValueError("--concurrency and --rate must be positive")
+    if settings.trace is not None and not (settings.concurrency or settings.rate):
+        args.levels = ""  # a trace's own arrivals have no load to scale
+    try:
+        levels = tuple(float(v) * (settings.concurrency or settings.rate) for v in args.levels.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"--levels takes comma-separated load multipliers like 0.25,1,4, got {args.levels!r}") from None
+    if any(level <= 0 for level in levels):
+        raise ValueError(f"--levels must be positive multipliers, got {args.levels!r}")
+    result = plan(profile, settings, levels=levels)
+    print(format_table(result))
+    best = result.best
+    print(f"\nchosen: {best.split.verifiers} verifiers + {best.split.drafters} drafters"
+          + (f", block {best.block_size}" if best.mode != "plain" else ", plain decoding")
+          + f": {best.result.tokens_per_s:.1f} tokens/s"
+          + (f" ({best.result.tokens_per_s / result.plain.result.tokens_per_s:.2f}x plain)" if result.plain else ""))
+    if max(settings.block_sizes) > profile.block_size and profile.block_size not in profile.by_block:
+        print(f"note: acceptance was measured at block {profile.block_size}; longer blocks extrapolate it")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(values_override(result, settings, args.profile))
+    print(f"wrote {out}")
+    png = plot(result, settings, Path(args.plot) if args.plot else out.with_name("plan.png"))
+    print(f"wrote {png}")
+    if args.json:
+        rows = [{"verifiers": r.split.verifiers, "drafters": r.split.drafters, "block_size": r.block_size,
+                 "mode": r.mode, "meets_slo": r.meets_slo, **asdict(r.result)} for r in result.rows]
+        Path(args.json).write_text(json.dumps({"settings": asdict(settings), "rows": rows}, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+

@@ -1,0 +1,523 @@
+"""A discrete-event simulation (SimPy) of specd's serving pipeline at cluster scale.
+
+It models what the services do, step by step, with costs from a profile (`specd.bench.profile`):
+
+- **Verifiers** (``verifiers`` replicas) are `specd.serving.ServingEngine` loops. Each step admits
+  waiting requests into free rows (up to ``max_num_seqs``), then runs ONE target pass over every
+  running sequence. A row's new tokens are 1 (the last committed token) + the verified block
+  ``L``, or prompt + ``L`` in a sequence's first step (prefill rides in the same pass, as in
+  `SpeculativeEngine`). With ``padded_rows`` (specd's engine: every cache row, each padded to the
+  longest) the pass costs ``target(max_num_seqs, longest row)``; without (a packed, vLLM-style
+  engine) ``target(running, mean tokens per row)``, the same total tokens. Then the engine's
+  overhead per step.
+- **Blocks.** ``L`` is the configured block, or with ``adaptive_block`` (the verifier's default)
+  the length maximising expected committed tokens per second, ``(1 + sum_{i<L} a_i) / target(rows,
+  1 + L)`` — what `specd.cost_model.CostModel` converges to when the drafter's confidence is
+  calibrated — except every ``explore_every``-th step, which verifies the full block.
+- **Accepted length** ``k`` per sequence per step is drawn from the profile's acceptance per
+  position ``a_i = P(positions 0..i accepted)``: ``P(k >= i + 1) = a_i``, i.e. the conditional
+  ``P(accept i | all before) = a_i / a_{i-1}``. The step commits ``k + 1`` tokens (fewer at the
+  end of the output). Draws are independent across steps and sequences.
+- **async** (D3D): a Speculate call goes out with the pass and the step waits for
+  ``max(pass, Speculate reply)``; afterwards each sequence *hits* with probability ``hit_rate``
+  (independent of k: an assumption) and keeps its next block, or misses and needs a blocking
+  Draft before its next pass. A new request's first step always needs a blocking Draft.
+  **sync**: every step waits for a Draft round trip of every sequence before its pass.
+  **plain**: one token per pass, no drafter.
+- **Drafters** (``drafters`` replicas) run one packed pass at a time, first come first served
+  (the drafter service's lock). A call's part for one replica costs ``drafter(rows, tokens)``
+  for a Draft and ``speculate(rows, tokens)`` for a Speculate, padded (``drafter_max_num_seqs``
+  rows, the longest row) or packed (the part's sequences, the mean) like the target. A row's
+  tokens: Draft ``tail + g`` (tail = the prompt for a new sequence, 1 after an async miss — the
+  accepted tokens were known nodes of the last Speculate pass — and ``k + 1`` in sync mode),
+  Speculate ``L + c * (1 + g)`` for ``c = candidate_budget`` outcomes, ``g`` the mask group for
+  the block. Each call pays ``rpc_seconds`` (half each way).
+- **Placement** (`services.verifier.drafter_pool`): a sequence sticks to the replica that had the
+  fewest of this verifier's live sequences when it arrived (ties: the first replica), so one
+  verifier's step is split across replicas and its parts run concurrently (``spread``).
+  ``affinity`` pins each verifier to one replica instead — a what-if, not what the pool does.
+- **Clients**: a closed loop of ``concurrency`` clients (each sends its next request when the
+  previous finishes, as `specd bench serve` does), Poisson arrivals at ``rate`` requests/s, or a
+  trace of (arrival, prompt, output) lengths. Requests reach a verifier round robin (or the least
+  loaded) after one network hop; tokens reach the client one hop after the step that made them.
+
+Reported like `specd bench serve`: output tokens/s over the whole run (first arrival to last
+finish), TTFT and TPOT p50/p99 (TPOT = (finish - first token) / (tokens - 1)), plus drafter and
+verifier utilisation, τ, hit rate, and blocking Draft calls.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import simpy
+
+from specd.plan.profile import Profile
+
+MODES = ("async", "sync", "plain")
+PLACEMENTS = ("spread", "affinity")
+BALANCERS = ("round_robin", "least_loaded")
+
+
+@dataclass(kw_only=True, slots=True)
+class SimConfig:
+    """One deployment to simulate; None fields take the profile's value."""
+
+    mode: str = "async"
+    """"async" (D3D: draft during verification), "sync" (draft after it) or "plain"."""
+    verifiers: int = 1
+    drafters: int = 1
+    block_size: int = 8
+    """Most drafted tokens verified per sequence per pass (the verifier's --block-size)."""
+    max_num_seqs: int = 16
+    """Verifier rows (--max-num-seqs)."""
+    drafter_max_num_seqs: int = 64
+    """Drafter replica rows (the drafter's --max-num-seqs)."""
+    candidate_budget: int = 4
+    adaptive_block: bool = True
+    explore_every: int = 16
+    padded_rows: bool | None = None
+    placement: str = "spread"
+    balancer: str = "round_robin"
+    rpc_seconds: float | None = None
+    hit_rate: float | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.balancer not in BALANCERS:
+            raise ValueError(f"balancer must be one of {BALANCERS}, got {self.balancer!r}")
+        if self.verifiers < 1:
+            raise ValueError(f"a deployment needs at least one verifier, got {self.verifiers}")
+        if self.mode != "plain" and self.drafters < 1:
+            raise ValueError(f"{self.mode} mode needs at least one drafter replica; use mode 'plain' for none")
+        if self.mode != "plain" and self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1 with a drafter, got {self.block_size}")
+        if self.max_num_seqs < 1 or self.drafter_max_num_seqs < 1:
+            raise ValueError("max_num_seqs and drafter_max_num_seqs must be >= 1")
+        if self.hit_rate is not None and not 0.0 <= self.hit_rate <= 1.0:
+            raise ValueError(f"hit_rate must be in [0, 1], got {self.hit_rate}")
+
+
+# ====================================================================== workloads
+@dataclass(kw_only=True, slots=True)
+class Lengths:
+    """A token-count distribution: ``fixed`` n, ``uniform`` lo..hi, ``geometric`` with a mean
+    (capped at ``high``), or ``empirical`` draws from observed values."""
+
+    kind: str
+    values: tuple[int, ...]
+
+    @staticmethod
+    def parse(text: str | int | Sequence[int]) -> Lengths:
+        """``"64"``, ``"uniform:16:128"``, ``"geometric:64[:512]"``, or a list of observed lengths."""
+        if isinstance(text, int):
+            text = str(text)
+        if not isinstance(text, str):
+            values = tuple(int(v) for v in text)
+            if not values or min(values) < 1:
+                raise ValueError(f"observed lengths must be a non-empty list of positive integers, got {list(text)[:8]}")
+            return Lengths(kind="empirical", values=values)
+        kind, _, rest = text.partition(":")
+        try:
+            if not rest:
+                lengths = Lengths(kind="fixed", values=(int(kind),))
+            elif kind == "uniform":
+                low, high = (int(v) for v in rest.split(":"))
+                lengths = Lengths(kind="uniform", values=(low, high))
+            elif kind == "geometric":
+                parts = [int(v) for v in rest.split(":")]
+                lengths = Lengths(kind="geometric", values=(parts[0], parts[1] if len(parts) > 1 else 1 << 30))
+            else:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"bad length spec {text!r}: use N, uniform:LOW:HIGH or geometric:MEAN[:MAX]") from None
+        if min(lengths.values) < 1 or (lengths.kind == "uniform" and lengths.values[0] > lengths.values[1]):
+            raise ValueError(f"bad length spec {text!r}: lengths are positive and LOW <= HIGH")
+        return lengths
+
+    def sample(self, rng: np.random.Generator, num: int) -> np.ndarray:
+        if self.kind == "fixed":
+            return np.full(num, self.values[0], dtype=np.int64)
+        if self.kind == "uniform":
+            return rng.integers(self.values[0], self.values[1] + 1, num)
+        if self.kind == "geometric":
+            return np.minimum(rng.geometric(1.0 / self.values[0], num), self.values[1])
+        return rng.choice(np.asarray(self.values, dtype=np.int64), num)
+
+
+@dataclass(kw_only=True, slots=True)
+class TraceRequest:
+    arrival_s: float | None
+    prompt_tokens: int
+    output_tokens: int
+
+
+def load_trace(path: str | Path) -> list[TraceRequest]:
+    """JSONL, one request a line: ``arrival_s`` (optional) and either ``prompt_tokens`` /
+    ``output_tokens`` counts or ``prompt_ids`` / ``output_ids`` lists (specd's trace records)."""
+    requests = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+            prompt = item["prompt_tokens"] if "prompt_tokens" in item else len(item["prompt_ids"])
+            output = item["output_tokens"] if "output_tokens" in item else len(item["output_ids"])
+            arrival = item.get("arrival_s")
+            requests.append(TraceRequest(arrival_s=None if arrival is None else float(arrival),
+                                         prompt_tokens=int(prompt), output_tokens=int(output)))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"{path}:{number}: a trace line needs prompt_tokens|prompt_ids and "
+                             f"output_tokens|output_ids (and optionally arrival_s): {err!r}") from None
+        if requests[-1].prompt_tokens < 1 or requests[-1].output_tokens < 1:
+            raise ValueError(f"{path}:{number}: prompt and output need at least one token")
+    if not requests:
+        raise ValueError(f"{path}: the trace is empty")
+    return requests
+
+
+@dataclass(kw_only=True, slots=True)
+class Workload:
+    """Who sends what: exactly one of ``concurrency`` (closed loop), ``rate`` (Poisson) or a
+    ``trace`` with arrival times; a trace without them is replayed in order by the closed loop."""
+
+    requests: int = 256
+    concurrency: int = 0
+    rate: float = 0.0
+    trace: list[TraceRequest] | None = None
+    prompt_tokens: Lengths = field(default_factory=lambda: Lengths.parse(96))
+    output_tokens: Lengths = field(default_factory=lambda: Lengths.parse(64))
+
+    def __post_init__(self) -> None:
+        timed = self.trace is not None and all(t.arrival_s is not None for t in self.trace)
+        if sum((self.concurrency > 0, self.rate > 0, timed)) != 1:
+            raise ValueError("give exactly one of: concurrency (closed loop), rate (Poisson arrivals), "
+                             "or a trace with arrival_s on every line")
+        if self.concurrency < 0 or self.rate < 0 or self.requests < 1:
+            raise ValueError("concurrency and rate must be >= 0 and requests >= 1")
+
+
+# ====================================================================== results
+@dataclass(kw_only=True, slots=True)
+class SimResult:
+    mode: str
+    verifiers: int
+    drafters: int
+    block_size: int
+    requests: int
+    output_tokens: int
+    seconds: float
+    tokens_per_s: float
+    ttft_p50: float
+    ttft_p99: float
+    tpot_p50: float
+    tpot_p99: float
+    tau: float
+    """Mean accepted length + 1 per sequence per target pass, as the engine counts it."""
+    hit_rate: float
+    target_passes: int
+    blocking_draft_calls: int
+    mean_batch: float
+    verifier_utilisation: float
+    drafter_utilisation: float
+    """Mean busy fraction of the drafter replicas (0 without drafters)."""
+    drafter_utilisation_max: float
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """Nearest rank, as `specd bench serve` computes it."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+# ====================================================================== the simulation
+class _Request:
+    __slots__ = ("arrival", "done", "emitted", "finish", "first_token", "output", "prompt")
+
+    def __init__(self, prompt: int, output: int, arrival: float, done: simpy.Event) -> None:
+        self.prompt, self.output, self.arrival, self.done = prompt, output, arrival, done
+        self.first_token = self.finish = None
+        self.emitted = 0
+
+
+class _Seq:
+    __slots__ = ("has_block", "new", "replica", "request", "tail")
+
+    def __init__(self, request: _Request) -> None:
+        self.request = request
+        self.new = True  # its first pass prefills the prompt
+        self.has_block = False
+        self.replica: _Drafter | None = None
+        self.tail = request.prompt  # context tokens its drafter has not seen
+
+
+class _Drafter:
+    __slots__ = ("busy", "index", "lock")
+
+    def __init__(self, env: simpy.Environment, index: int) -> None:
+        self.index, self.lock, self.busy = index, simpy.Resource(env, capacity=1), 0.0
+
+
+class _Verifier:
+    __slots__ = ("busy", "index", "lengths", "placed", "running", "steps", "waiting", "wake")
+
+    def __init__(self, index: int, num_drafters: int) -> None:
+        self.index = index
+        self.waiting: deque[_Request] = deque()
+        self.running: list[_Seq] = []
+        self.wake: simpy.Event | None = None
+        self.steps = 0
+        self.busy = 0.0
+        self.placed = [0] * num_drafters  # this verifier's live sequences per drafter replica
+        self.lengths: dict[int, int] = {}  # rows -> adaptive block length
+
+
+class Simulation:
+    """One run of one deployment under one workload (module docstring)."""
+
+    def __init__(self, profile: Profile, config: SimConfig, workload: Workload) -> None:
+        self.profile, self.config, self.workload = profile, config, workload
+        self.env = simpy.Environment()
+        self.rng = np.random.default_rng(config.seed)
+        self.padded = profile.padded_rows if config.padded_rows is None else config.padded_rows
+        self.hop = (profile.rpc_seconds if config.rpc_seconds is None else config.rpc_seconds) / 2
+        self.speculative = config.mode != "plain" and config.block_size > 0
+        block = config.block_size if self.speculative else 0
+        self.acceptance = np.asarray(profile.acceptance(block) if block else [], dtype=np.float64)
+        self.cumulative = np.concatenate([[0.0], np.cumsum(self.acceptance)])  # expected accepted for L
+        self.hit_rate = config.hit_rate if config.hit_rate is not None else profile.hit_rate_for(block)
+        self.group = profile.group_size(block) if block else 0
+        self.verifiers = [_Verifier(i, config.drafters) for i in range(config.verifiers)]
+        self.drafters = [_Drafter(self.env, i) for i in range(config.drafters if self.speculative else 0)]
+        self.finished: list[_Request] = []
+        self.passes = self.pass_seqs = self.accepted = self.committed = self.lookups = self.hits = self.blocking = 0
+        self._next_verifier = 0
+
+    # ------------------------------------------------------------------ clients
+    def _requests(self) -> list[tuple[float | None, int, int]]:
+        w = self.workload
+        if w.trace is not None:
+            return [(t.arrival_s, t.prompt_tokens, t.output_tokens) for t in w.trace]
+        prompts = w.prompt_tokens.sample(self.rng, w.requests)
+        outputs = w.output_tokens.sample(self.rng, w.requests)
+        return [(None, int(p), int(o)) for p, o in zip(prompts, outputs)]
+
+    def _submit(self, prompt: int, output: int):
+        request = _Request(prompt, output, self.env.now, self.env.event())
+        yield self.env.timeout(self.hop)
+        if self.config.balancer == "least_loaded":
+            verifier = min(self.verifiers, key=lambda v: len(v.waiting) + len(v.running))
+        else:
+            verifier = self.verifiers[self._next_verifier]
+            self._next_verifier = (self._next_verifier + 1) % len(self.verifiers)
+        verifier.waiting.append(request)
+        if verifier.wake is not None and not verifier.wake.triggered:
+            verifier.wake.succeed()
+        return request
+
+    def _closed_client(self, queue: deque):
+        while queue:
+            _, prompt, output = queue.popleft()
+            request = yield self.env.process(self._submit(prompt, output))
+            yield request.done
+
+    def _open_arrivals(self, items: list[tuple[float | None, int, int]]):
+        if self.workload.rate > 0:
+            gaps = self.rng.exponential(1.0 / self.workload.rate, len(items))
+            times = np.cumsum(gaps) - gaps[0]
+        else:
+            times = [t for t, _, _ in items]
+        order = sorted(range(len(items)), key=lambda i: times[i])
+        for i in order:
+            if times[i] > self.env.now:
+                yield self.env.timeout(times[i] - self.env.now)
+            self.env.process(self._submit(items[i][1], items[i][2]))
+
+    # ------------------------------------------------------------------ the verifier loop
+    def _verifier(self, v: _Verifier):
+        env, config = self.env, self.config
+        while True:
+            while v.waiting and len(v.running) < config.max_num_seqs:
+                self._admit(v, v.waiting.popleft())
+            if not v.running:
+                v.wake = env.event()
+                yield v.wake
+                continue
+            start = env.now
+            v.steps += 1
+            running = v.running
+            if self.speculative and config.mode == "sync":
+                for seq in running:
+                    seq.has_block = False
+            need = [s for s in running if not s.has_block] if self.speculative else []
+            if need:
+                self.blocking += 1
+                yield from self._call(need, "draft", 0)
+                for seq in need:
+                    seq.has_block, seq.tail = True, 0
+            rows = config.max_num_seqs if self.padded else len(running)
+            length = self._verify_length(v, rows) if self.speculative else 0
+            tokens = _row_tokens([(s.request.prompt if s.new else 1) + length for s in running], self.padded)
+            target = env.timeout(self.profile.target(rows, tokens))
+            if self.speculative and config.mode == "async":
+                yield target & env.process(self._call(running, "speculate", length))
+            else:
+                yield target
+            overhead = self.profile.step_overhead_s + self.profile.seq_overhead_s * len(running)
+            if overhead > 0:
+                yield env.timeout(overhead)
+            self._commit(v, length)
+            v.busy += env.now - start
+
+    def _admit(self, v: _Verifier, request: _Request) -> None:
+        seq = _Seq(request)
+        if self.drafters:
+            if self.config.placement == "affinity":
+                index = v.index % len(self.drafters)
+            else:
+                index = min(range(len(self.drafters)), key=v.placed.__getitem__)
+            v.placed[index] += 1
+            seq.replica = self.drafters[index]
+        v.running.append(seq)
+
+    def _verify_length(self, v: _Verifier, rows: int) -> int:
+        block = self.config.block_size
+        if not self.config.adaptive_block or v.steps % self.config.explore_every == 1:
+            return block
+        length = v.lengths.get(rows)
+        if length is None:
+            rates = [(1 + self.cumulative[n]) / self.profile.target(rows, n + 1) for n in range(block + 1)]
+            length = v.lengths[rows] = int(np.argmax(rates))
+        return length
+
+    def _commit(self, v: _Verifier, length: int) -> None:
+        running = v.running
+        num = len(running)
+        if length:
+            accepted = (self.rng.random(num)[:, None] < self.acceptance[None, :length]).sum(axis=1)
+        else:
+            accepted = np.zeros(num, dtype=np.int64)
+        hits = self.rng.random(num) < self.hit_rate if self.config.mode == "async" else np.zeros(num, dtype=bool)
+        arrive = self.env.now + self.hop
+        self.passes += 1
+        self.pass_seqs += num
+        self.accepted += int(accepted.sum())
+        keep = []
+        for seq, k, hit in zip(running, accepted.tolist(), hits.tolist()):
+            request = seq.request
+            emitted = min(k + 1, request.output - request.emitted)
+            request.emitted += emitted
+            self.committed += emitted
+            if request.first_token is None:
+                request.first_token = arrive
+            seq.new = False
+            if request.emitted >= request.output:
+                request.finish = arrive
+                self.finished.append(request)
+                if seq.replica is not None:
+                    v.placed[seq.replica.index] -= 1
+                self.env.process(self._deliver(request))
+                continue
+            if self.speculative:
+                self.lookups += self.config.mode == "async"
+                self.hits += hit
+                seq.has_block = hit
+                # A miss: async, the accepted tokens were known nodes of the Speculate pass and
+                # only the correction is new to the drafter; sync, all k + 1 are.
+                seq.tail = 1 if self.config.mode == "async" else k + 1
+            keep.append(seq)
+        v.running = keep
+
+    def _deliver(self, request: _Request):
+        yield self.env.timeout(self.hop)
+        request.done.succeed()
+
+    # ------------------------------------------------------------------ drafter calls
+    def _call(self, seqs: list[_Seq], kind: str, length: int):
+        """One engine drafter call: split by replica, parts concurrent, wait for all."""
+        parts: dict[_Drafter, list[_Seq]] = {}
+        for seq in seqs:
+            parts.setdefault(seq.replica, []).append(seq)
+        if len(parts) == 1:
+            ((replica, part),) = parts.items()
+            yield from self._part(replica, part, kind, length)
+        else:
+            yield self.env.all_of([self.env.process(self._part(r, p, kind, length)) for r, p in parts.items()])
+
+    def _part(self, replica: _Drafter, part: list[_Seq], kind: str, length: int):
+        env = self.env
+        if self.hop:
+            yield env.timeout(self.hop)
+        rows = self.config.drafter_max_num_seqs if self.padded else len(part)
+        if kind == "draft":
+            cost = self.profile.drafter(rows, _row_tokens([s.tail + self.group for s in part], self.padded))
+        else:
+            cost = self.profile.speculate(rows, length + self.config.candidate_budget * (1 + self.group))
+        with replica.lock.request() as turn:
+            yield turn
+            replica.busy += cost
+            yield env.timeout(cost)
+        if self.hop:
+            yield env.timeout(self.hop)
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> SimResult:
+        env = self.env
+        for v in self.verifiers:
+            env.process(self._verifier(v))
+        items = self._requests()
+        if self.workload.concurrency:
+            queue = deque(items)
+            for _ in range(self.workload.concurrency):
+                env.process(self._closed_client(queue))
+        else:
+            env.process(self._open_arrivals(items))
+        env.run()
+        return self._result(len(items))
+
+    def _result(self, num_requests: int) -> SimResult:
+        done = self.finished
+        if len(done) != num_requests:
+            raise RuntimeError(f"simulation ended with {num_requests - len(done)} requests unfinished (a bug)")
+        start = min(r.arrival for r in done)
+        seconds = max(r.finish for r in done) - start
+        ttfts = [r.first_token - r.arrival for r in done]
+        tpots = [(r.finish - r.first_token) / (r.output - 1) for r in done if r.output > 1]
+        busy = [d.busy / seconds for d in self.drafters] if seconds > 0 else [0.0]
+        c = self.config
+        return SimResult(
+            mode=c.mode, verifiers=c.verifiers, drafters=len(self.drafters), block_size=c.block_size if self.speculative else 0,
+            requests=len(done), output_tokens=self.committed, seconds=seconds,
+            tokens_per_s=self.committed / seconds if seconds > 0 else float("inf"),
+            ttft_p50=_percentile(ttfts, 0.5), ttft_p99=_percentile(ttfts, 0.99),
+            tpot_p50=_percentile(tpots, 0.5), tpot_p99=_percentile(tpots, 0.99),
+            tau=self.accepted / self.pass_seqs + 1 if self.pass_seqs else 1.0,
+            hit_rate=self.hits / self.lookups if self.lookups else 0.0,
+            target_passes=self.passes, blocking_draft_calls=self.blocking,
+            mean_batch=self.pass_seqs / self.passes if self.passes else 0.0,
+            verifier_utilisation=sum(v.busy for v in self.verifiers) / (seconds * len(self.verifiers)) if seconds > 0 else 0.0,
+            drafter_utilisation=float(np.mean(busy)) if self.drafters else 0.0,
+            drafter_utilisation_max=float(np.max(busy)) if self.drafters else 0.0,
+        )
+
+
+def _row_tokens(tokens: list[int], padded: bool) -> int:
+    """Tokens per row a pass costs: the longest row's when rows are padded to it, else the mean
+    (a packed pass over the same total tokens)."""
+    return max(tokens) if padded else -(-sum(tokens) // len(tokens))
+
+
+def simulate(profile: Profile, config: SimConfig, workload: Workload) -> SimResult:
+    """Run one simulation (see the module docstring)."""
+    return Simulation(profile, config, workload).run()

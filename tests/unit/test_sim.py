@@ -1,0 +1,187 @@
+"""The pipeline simulator against what can be worked out by hand.
+
+Synthetic profiles with constant or linear costs make the answers analytic: plain decoding at
+batch b with pass cost t serves b / t tokens/s; a free drafter that always hits multiplies that
+by τ; sync mode adds the Draft round trip to every step; one request's latencies are sums of
+the hops and passes on its path.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+
+from specd.plan.profile import parse_profile
+from specd.plan.sim import Lengths, SimConfig, TraceRequest, Workload, load_trace, simulate
+
+
+def table(cost, batches=(1, 2, 4, 8, 16, 32, 64), tokens=(1, 16, 256, 2048)) -> dict:
+    """A cost table from ``cost(batch, tokens)`` seconds."""
+    return {"batch": list(batches), "tokens": list(tokens), "seconds": [[cost(b, t) for t in tokens] for b in batches]}
+
+
+def profile(*, target=lambda b, t: 0.010, drafter=lambda b, t: 1e-9, acceptance=None, hit_rate=1.0,
+            rpc_seconds=0.0, **extra):
+    return parse_profile({
+        "target": table(target), "drafter": table(drafter), "block_size": 8,
+        "acceptance_per_pos": acceptance or [0.9 ** (i + 1) for i in range(16)], "hit_rate": hit_rate,
+        "rpc_seconds": rpc_seconds, "padded_rows": False, **extra,
+    })
+
+
+def closed(concurrency: int, requests: int, output: int = 64, prompt: int = 32) -> Workload:
+    return Workload(requests=requests, concurrency=concurrency, prompt_tokens=Lengths.parse(prompt),
+                    output_tokens=Lengths.parse(output))
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_plain_throughput_is_batch_over_pass_cost(batch):
+    cost = lambda b, t: 0.002 + 0.0005 * b  # a batch-dependent pass, flat in tokens
+    result = simulate(profile(target=cost), SimConfig(mode="plain", max_num_seqs=batch),
+                      closed(batch, 8 * batch, output=32))
+    expected = batch / cost(batch, 1)
+    print(f"batch {batch}: simulated {result.tokens_per_s:.1f} tokens/s, analytic {expected:.1f}")
+    assert result.tokens_per_s == pytest.approx(expected, rel=0.02)
+    assert result.mean_batch == pytest.approx(batch)
+    assert result.tpot_p50 == pytest.approx(cost(batch, 1), rel=0.01)
+
+
+def tau_of(acceptance: list[float], block: int) -> float:
+    return 1 + sum(acceptance[:block])
+
+
+def test_async_with_free_drafter_and_every_hit_approaches_tau_times_plain():
+    prof = profile()
+    workload = closed(16, 320, output=512)
+    plain = simulate(prof, SimConfig(mode="plain", max_num_seqs=16), workload)
+    fast = simulate(prof, SimConfig(mode="async", max_num_seqs=16, block_size=8, adaptive_block=False), workload)
+    tau = tau_of(prof.acceptance_per_pos, 8)
+    ratio = fast.tokens_per_s / plain.tokens_per_s
+    print(f"tau {tau:.3f}: async/plain {ratio:.3f}; simulated tau {fast.tau:.3f}, hit rate {fast.hit_rate:.2f}")
+    assert fast.tau == pytest.approx(tau, rel=0.02)  # the k sampler follows the acceptance profile
+    assert fast.hit_rate == 1.0
+    # A little below tau: a finished request's row stays empty for a step (its successor arrives
+    # during one), its last step is cut short, and the run's tail drains with part-full batches.
+    assert 0.95 * tau <= ratio <= 1.01 * tau
+
+
+def test_sync_pays_the_draft_round_trip_every_step_and_async_hides_it():
+    target, draft, rpc = 0.010, 0.004, 0.002
+    prof = profile(drafter=lambda b, t: draft, rpc_seconds=rpc)
+    # Long outputs: a new request's first step waits for a blocking Draft in async mode too, and
+    # with long outputs that is rare.
+    workload = closed(8, 32, output=4096)
+    config = {"max_num_seqs": 8, "block_size": 8, "adaptive_block": False}
+    sync = simulate(prof, SimConfig(mode="sync", **config), workload)
+    fast = simulate(prof, SimConfig(mode="async", **config), workload)
+    tau = tau_of(prof.acceptance_per_pos, 8)
+    assert sync.tokens_per_s == pytest.approx(8 * tau / (target + rpc + draft), rel=0.04)
+    # async: the Speculate round trip (6 ms) hides under the 10 ms pass; every candidate hits.
+    assert fast.tokens_per_s == pytest.approx(8 * tau / target, rel=0.04)
+    assert sync.blocking_draft_calls == sync.target_passes
+
+
+def test_misses_block_the_whole_step():
+    """One sequence's miss makes the step wait for a Draft: at batch 16 and hit rate 0.9 most
+    steps have one, so the hit rate per sequence overstates how often drafting is off the path."""
+    prof = profile(drafter=lambda b, t: 0.004, rpc_seconds=0.002, hit_rate=0.9)
+    result = simulate(prof, SimConfig(mode="async", max_num_seqs=16, adaptive_block=False), closed(16, 64, output=256))
+    assert result.hit_rate == pytest.approx(0.9, abs=0.02)
+    assert result.blocking_draft_calls / result.target_passes > 1 - 0.9 ** 16 - 0.05
+
+
+def test_one_request_latencies_are_the_sum_of_its_path():
+    hop, target, draft, spec = 0.001, 0.010, 0.003, 0.004
+    prof = profile(drafter=lambda b, t: draft, speculate=table(lambda b, t: spec), rpc_seconds=2 * hop)
+    one = Workload(requests=1, concurrency=1, prompt_tokens=Lengths.parse(8), output_tokens=Lengths.parse(200))
+    plain = simulate(prof, SimConfig(mode="plain"), one)
+    assert plain.ttft_p50 == pytest.approx(hop + target + hop)
+    assert plain.tpot_p50 == pytest.approx(target)
+    fast = simulate(prof, SimConfig(mode="async", block_size=8, adaptive_block=False), one)
+    # Hop in, a blocking Draft round trip (first step), the pass with Speculate beside it, hop out.
+    assert fast.ttft_p50 == pytest.approx(hop + (2 * hop + draft) + max(target, 2 * hop + spec) + hop)
+
+
+def test_more_drafters_never_hurt_when_drafters_are_the_bottleneck():
+    # 16 sequences per verifier step x 2 ms each: one replica needs 32 ms per step of each verifier.
+    prof = profile(drafter=lambda b, t: 0.002 * b)
+    rates = []
+    for drafters in (1, 2, 3, 4, 6, 8):
+        result = simulate(prof, SimConfig(mode="async", verifiers=2, drafters=drafters, max_num_seqs=16,
+                                          adaptive_block=False), closed(32, 96, output=128))
+        rates.append(result.tokens_per_s)
+        print(f"{drafters} drafters: {result.tokens_per_s:.0f} tokens/s, drafter busy {result.drafter_utilisation:.0%}")
+    assert all(later >= 0.99 * earlier for earlier, later in itertools.pairwise(rates))
+    assert rates[-1] > 3 * rates[0]
+
+
+def test_padded_drafter_rows_make_spread_placement_pay_per_replica():
+    """specd's drafter pads every cache row, so a part costs the same however few sequences it
+    holds: spreading a verifier over more replicas does not shorten its Speculate; pinning
+    each verifier to its own replica (affinity) does."""
+    prof = profile(drafter=lambda b, t: 0.0005 * b)  # 64 padded rows: 32 ms a part
+    runs = {}
+    for placement in ("spread", "affinity"):
+        config = SimConfig(mode="async", verifiers=4, drafters=4, max_num_seqs=16, padded_rows=True,
+                           placement=placement, adaptive_block=False)
+        runs[placement] = simulate(prof, config, closed(64, 128, output=128)).tokens_per_s
+    assert runs["affinity"] > 2 * runs["spread"]
+
+
+def test_poisson_arrivals_below_capacity_are_all_served():
+    rate, output = 20.0, 64
+    result = simulate(profile(), SimConfig(mode="plain", max_num_seqs=32),
+                      Workload(requests=600, rate=rate, prompt_tokens=Lengths.parse(16), output_tokens=Lengths.parse(output)))
+    # Offered load 20 x 64 = 1280 tokens/s, capacity 32 / 10 ms = 3200: the run lasts as long as the arrivals.
+    assert result.tokens_per_s == pytest.approx(rate * output, rel=0.1)
+    assert result.ttft_p50 < 0.05
+
+
+def test_trace_replay(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"arrival_s": 0.0, "prompt_tokens": 10, "output_tokens": 5}\n'
+                    '{"arrival_s": 1.0, "prompt_ids": [1, 2, 3], "output_ids": [4, 5]}\n')
+    trace = load_trace(path)
+    assert trace == [TraceRequest(arrival_s=0.0, prompt_tokens=10, output_tokens=5),
+                     TraceRequest(arrival_s=1.0, prompt_tokens=3, output_tokens=2)]
+    result = simulate(profile(), SimConfig(mode="plain"), Workload(trace=trace))
+    assert result.output_tokens == 7
+    assert result.seconds == pytest.approx(1.0 + 2 * 0.010)  # the second request: arrives at 1 s, two passes
+    path.write_text('{"arrival_s": 0.0, "output_tokens": 5}\n')
+    with pytest.raises(ValueError, match="trace.jsonl:1: a trace line needs prompt_tokens"):
+        load_trace(path)
+
+
+@pytest.mark.parametrize("spec, error", [
+    ("0", "positive"), ("uniform:9:3", "LOW <= HIGH"), ("zipf:3", "bad length spec"), ("abc", "bad length spec"),
+])
+def test_bad_length_specs_say_what_is_allowed(spec, error):
+    with pytest.raises(ValueError, match=error):
+        Lengths.parse(spec)
+
+
+def test_bad_workloads_and_configs_are_refused():
+    with pytest.raises(ValueError, match="exactly one of"):
+        Workload(concurrency=4, rate=2.0)
+    with pytest.raises(ValueError, match="exactly one of"):
+        Workload()
+    with pytest.raises(ValueError, match="at least one drafter"):
+        SimConfig(mode="async", drafters=0)
+    with pytest.raises(ValueError, match="at least one verifier"):
+        SimConfig(mode="plain", verifiers=0)
+    with pytest.raises(ValueError, match="mode must be"):
+        SimConfig(mode="eager")
+
+
+def test_thousands_of_requests_on_dozens_of_replicas_take_seconds():
+    prof = profile(drafter=lambda b, t: 0.0002 * b + 0.001, hit_rate=0.7, rpc_seconds=0.0005)
+    start = time.perf_counter()
+    result = simulate(prof, SimConfig(mode="async", verifiers=24, drafters=12, max_num_seqs=32),
+                      Workload(requests=3000, concurrency=768, prompt_tokens=Lengths.parse("uniform:16:512"),
+                               output_tokens=Lengths.parse("geometric:128:1024")))
+    seconds = time.perf_counter() - start
+    print(f"3000 requests, 36 replicas: {seconds:.2f} s of wall time, {result.tokens_per_s:.0f} tokens/s simulated")
+    assert result.requests == 3000
+    assert seconds < 30
