@@ -143,7 +143,7 @@ def bench_serve(settings: ServeSettings, target: str, drafter: str) -> list[Serv
                              verifier_http_port=18000, verifier_grpc_port=51051, drafter_port=51052)
         with Stack(config) as stack:
             base = stack.verifiers[0].http
-            run_level(base, model, pool, 1, 2, 8)  # warm up: first passes allocate and fill caches
+            _warm_up(base, model, pool, deployment.speculative)
             for concurrency in settings.concurrency:
                 progress.set_postfix_str(f"{deployment.name} c={concurrency}")
                 before = metrics(base)
@@ -158,6 +158,18 @@ def bench_serve(settings: ServeSettings, target: str, drafter: str) -> list[Serv
         if plain.get(row.concurrency):
             row.speedup = row.tokens_per_s / plain[row.concurrency]
     return rows
+
+
+def _warm_up(base: str, model: str, pool: list[list[int]], speculative: bool, timeout: float = 60.0) -> None:
+    """First passes allocate and fill caches; a speculative verifier must also be drafting (its
+    drafters may have come up after it, and it decodes plain until it sees them)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        run_level(base, model, pool, 1, 2, 8)
+        if not speculative or metrics(base).get("specd:spec_decode_num_draft_tokens_total", 0) > 0:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the verifier at {base} never drafted during warm-up: see the drafters' logs")
 
 
 def _row(deployment: Deployment, concurrency: int, results: list, seconds: float, errors: list[str],

@@ -66,7 +66,6 @@ class PlanSettings:
     """Length specs (`Lengths.parse`); empty = the profile's observed workload, else 128 / 256."""
     max_num_seqs: int = 64
     """Verifier rows (the chart's ``verifier.config.max_num_seqs``)."""
-    drafter_max_num_seqs: int = 64
     adaptive_block: bool = True
     padded_rows: bool | None = None
     tpot_slo: float = 0.0
@@ -167,7 +166,7 @@ class Plan:
 def _config(settings: PlanSettings, split: Split, block: int, mode: str) -> SimConfig:
     return SimConfig(mode=mode, verifiers=split.verifiers, drafters=split.drafters if mode != "plain" else 0,
                      block_size=block if mode != "plain" else 0, max_num_seqs=settings.max_num_seqs,
-                     drafter_max_num_seqs=settings.drafter_max_num_seqs, adaptive_block=settings.adaptive_block,
+                     adaptive_block=settings.adaptive_block,
                      padded_rows=settings.padded_rows, seed=settings.seed)
 
 
@@ -305,7 +304,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus-per-drafter", type=int, default=1)
     parser.add_argument("--mode", choices=("async", "sync"), default="async", help="how the verifiers use drafters")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="verifier rows (its --max-num-seqs; the chart's 64)")
-    parser.add_argument("--drafter-max-num-seqs", type=int, default=64, help="drafter rows (its --max-num-seqs)")
     parser.add_argument("--prompt-tokens", default="", help="N, uniform:LO:HI or geometric:MEAN[:MAX] (default: the profile's)")
     parser.add_argument("--output-tokens", default="", help="as --prompt-tokens (default: the profile's, else 256)")
     parser.add_argument("--requests", type=int, default=0, help="requests per simulation (default 4 x C, at least 256)")
@@ -350,7 +348,7 @@ def run(args: argparse.Namespace) -> int:
         concurrency=args.concurrency, rate=args.rate, block_sizes=_ints(args.block_sizes, "--block-sizes"),
         ratios=tuple(r for r in args.ratios.split(",") if r.strip()), mode=args.mode, requests=args.requests,
         prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens, max_num_seqs=args.max_num_seqs,
-        drafter_max_num_seqs=args.drafter_max_num_seqs, adaptive_block=not args.fixed_block,
+        adaptive_block=not args.fixed_block,
         padded_rows={"profile": None, "padded": True, "running": False}[args.rows],
         trace=load_trace(args.trace) if args.trace else None,
         tpot_slo=args.tpot_slo_ms / 1000, plain=not args.no_plain, seed=args.seed,

@@ -24,8 +24,8 @@ Schema (``version`` 1; fields marked * are required):
       "by_block": {"4": {"acceptance_per_pos": [...], "hit_rate": 0.7}, ...},   optional
       "rpc_seconds": 0.0005,               one drafter round trip's fixed cost
       "overhead": {"step_seconds": 0.001, "seq_seconds": 0.0001},
-      "padded_rows": true,                 passes run every cache row, padded to the longest (specd's
-                                           engine); false: running rows' real tokens only (packed)
+      "padded_rows": true,                 each busy row is padded to the longest (specd's engine);
+                                           false: the rows' real tokens only (packed)
       "workload": {"prompt_tokens": [...], "output_tokens": [...], "max_tokens": 64}   optional
     }
 

@@ -6,10 +6,11 @@ It models what the services do, step by step, with costs from a profile (`specd.
   waiting requests into free rows (up to ``max_num_seqs``), then runs ONE target pass over every
   running sequence. A row's new tokens are 1 (the last committed token) + the verified block
   ``L``, or prompt + ``L`` in a sequence's first step (prefill rides in the same pass, as in
-  `SpeculativeEngine`). With ``padded_rows`` (specd's engine: every cache row, each padded to the
-  longest) the pass costs ``target(max_num_seqs, longest row)``; without (a packed, vLLM-style
-  engine) ``target(running, mean tokens per row)``, the same total tokens. Then the engine's
-  overhead per step.
+  `SpeculativeEngine`). The pass covers the busy rows only (the engine hands rows out lowest
+  first and passes the busy prefix); with ``padded_rows`` (specd's engine: each row padded to the
+  longest) it costs ``target(running, longest row)``; without (a packed, vLLM-style engine)
+  ``target(running, mean tokens per row)``, the same total tokens. Then the engine's overhead
+  per step.
 - **Blocks.** ``L`` is the configured block, or with ``adaptive_block`` (the verifier's default)
   the length maximising expected committed tokens per second, ``(1 + sum_{i<L} a_i) / target(rows,
   1 + L)`` — what `specd.cost_model.CostModel` converges to when the drafter's confidence is
@@ -26,8 +27,8 @@ It models what the services do, step by step, with costs from a profile (`specd.
   **plain**: one token per pass, no drafter.
 - **Drafters** (``drafters`` replicas) run one packed pass at a time, first come first served
   (the drafter service's lock). A call's part for one replica costs ``drafter(rows, tokens)``
-  for a Draft and ``speculate(rows, tokens)`` for a Speculate, padded (``drafter_max_num_seqs``
-  rows, the longest row) or packed (the part's sequences, the mean) like the target. A row's
+  for a Draft and ``speculate(rows, tokens)`` for a Speculate over the part's sequences, padded
+  to the longest row or packed (the mean) like the target. A row's
   tokens: Draft ``tail + g`` (tail = the prompt for a new sequence, 1 after an async miss — the
   accepted tokens were known nodes of the last Speculate pass — and ``k + 1`` in sync mode),
   Speculate ``L + c * (1 + g)`` for ``c = candidate_budget`` outcomes, ``g`` the mask group for
@@ -76,8 +77,6 @@ class SimConfig:
     """Most drafted tokens verified per sequence per pass (the verifier's --block-size)."""
     max_num_seqs: int = 16
     """Verifier rows (--max-num-seqs)."""
-    drafter_max_num_seqs: int = 64
-    """Drafter replica rows (the drafter's --max-num-seqs)."""
     candidate_budget: int = 4
     adaptive_block: bool = True
     explore_every: int = 16
@@ -101,8 +100,8 @@ class SimConfig:
             raise ValueError(f"{self.mode} mode needs at least one drafter replica; use mode 'plain' for none")
         if self.mode != "plain" and self.block_size < 1:
             raise ValueError(f"block_size must be >= 1 with a drafter, got {self.block_size}")
-        if self.max_num_seqs < 1 or self.drafter_max_num_seqs < 1:
-            raise ValueError("max_num_seqs and drafter_max_num_seqs must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
         if self.hit_rate is not None and not 0.0 <= self.hit_rate <= 1.0:
             raise ValueError(f"hit_rate must be in [0, 1], got {self.hit_rate}")
 
@@ -366,7 +365,7 @@ class Simulation:
                 yield from self._call(need, "draft", 0)
                 for seq in need:
                     seq.has_block, seq.tail = True, 0
-            rows = config.max_num_seqs if self.padded else len(running)
+            rows = len(running)  # the engine passes the busy rows only (handed out lowest first)
             length = self._verify_length(v, rows) if self.speculative else 0
             tokens = _row_tokens([(s.request.prompt if s.new else 1) + length for s in running], self.padded)
             target = env.timeout(self.profile.target(rows, tokens))
@@ -459,7 +458,7 @@ class Simulation:
         env = self.env
         if self.hop:
             yield env.timeout(self.hop)
-        rows = self.config.drafter_max_num_seqs if self.padded else len(part)
+        rows = len(part)
         if kind == "draft":
             cost = self.profile.drafter(rows, _row_tokens([s.tail + self.group for s in part], self.padded))
         else:

@@ -117,19 +117,6 @@ def test_more_drafters_never_hurt_when_drafters_are_the_bottleneck():
     assert rates[-1] > 3 * rates[0]
 
 
-def test_padded_drafter_rows_make_spread_placement_pay_per_replica():
-    """specd's drafter pads every cache row, so a part costs the same however few sequences it
-    holds: spreading a verifier over more replicas does not shorten its Speculate; pinning
-    each verifier to its own replica (affinity) does."""
-    prof = profile(drafter=lambda b, t: 0.0005 * b)  # 64 padded rows: 32 ms a part
-    runs = {}
-    for placement in ("spread", "affinity"):
-        config = SimConfig(mode="async", verifiers=4, drafters=4, max_num_seqs=16, padded_rows=True,
-                           placement=placement, adaptive_block=False)
-        runs[placement] = simulate(prof, config, closed(64, 128, output=128)).tokens_per_s
-    assert runs["affinity"] > 2 * runs["spread"]
-
-
 def test_poisson_arrivals_below_capacity_are_all_served():
     rate, output = 20.0, 64
     result = simulate(profile(), SimConfig(mode="plain", max_num_seqs=32),
