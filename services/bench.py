@@ -78,6 +78,12 @@ class ServeRow:
     hit_rate: float = 0.0
     blocking_drafter_calls: int = 0
     target_passes: int = 0
+    drafter_round_trips: int = 0
+    transport_ms: float = 0.0
+    """Mean time of a drafter round trip spent outside the replica (gRPC, loopback), measured."""
+    drafter_cores: int = 0
+    """Distinct CPU cores the drafters were pinned to (0: not pinned): 2:1 on a 2-core machine is
+    two drafter processes on one core."""
     speedup: float = 1.0
     """tokens/s over plain decoding's at the same concurrency, this run."""
     errors: list[str] = field(default_factory=list)
@@ -150,7 +156,9 @@ def bench_serve(settings: ServeSettings, target: str, drafter: str) -> list[Serv
                 results, seconds, errors = run_level(base, model, pool, concurrency,
                                                      settings.requests(concurrency), settings.max_tokens)
                 after = metrics(base)
-                rows.append(_row(deployment, concurrency, results, seconds, errors, before, after))
+                row = _row(deployment, concurrency, results, seconds, errors, before, after)
+                row.drafter_cores = len({d.core for d in stack.drafters if d.core is not None})
+                rows.append(row)
                 progress.update()
     progress.close()
     plain = {r.concurrency: r.tokens_per_s for r in rows if r.deployment == "plain"}
@@ -183,6 +191,7 @@ def _row(deployment: Deployment, concurrency: int, results: list, seconds: float
              if r.ttft is not None and r.completion_tokens > 1]
     drafts = delta("specd:spec_decode_num_drafts_total")
     lookups = delta("specd:spec_decode_num_candidate_lookups_total")
+    round_trips = delta("specd:drafter_pool_events_total{event=round_trips}")
     return ServeRow(
         deployment=deployment.name, concurrency=concurrency, requests=len(results), output_tokens=tokens,
         seconds=seconds, tokens_per_s=tokens / seconds if seconds else 0.0,
@@ -192,6 +201,8 @@ def _row(deployment: Deployment, concurrency: int, results: list, seconds: float
         hit_rate=delta("specd:spec_decode_num_candidate_hits_total") / lookups if lookups else 0.0,
         blocking_drafter_calls=int(delta("specd:num_drafter_blocking_calls_total")),
         target_passes=int(delta("specd:num_target_passes_total")), errors=errors,
+        drafter_round_trips=int(round_trips),
+        transport_ms=1e3 * delta("specd:drafter_transport_seconds_total") / round_trips if round_trips else 0.0,
     )
 
 

@@ -74,6 +74,8 @@ class Service:
     grpc: str = ""
     http: str = ""
     log: Path | None = None
+    core: int | None = None
+    """The CPU core it is pinned to (None: not pinned)."""
 
 
 class StackError(RuntimeError):
@@ -187,7 +189,7 @@ class Stack:
                                    stderr=subprocess.STDOUT, env=env)
         if core is not None:
             os.sched_setaffinity(process.pid, {core})
-        service = Service(name=name, process=process, grpc=grpc, http=http, log=log)
+        service = Service(name=name, process=process, grpc=grpc, http=http, log=log, core=core)
         self.services.append(service)
         return service
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import threading
+import time
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -219,6 +220,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     # ------------------------------------------------------------------ RPCs
     def Draft(self, request: drafter_pb2.DraftRequest, context: grpc.ServicerContext) -> drafter_pb2.DraftResponse:
+        received = time.perf_counter()
         drafter = self._serving(context)
         with _bad_input_is_invalid_argument(context):
             items = [
@@ -240,7 +242,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return drafter_pb2.DraftResponse(
             blocks=[block_to_proto(next(blocks)) if tokens is not None else common_pb2.DraftBlock() for tokens in contexts],
             resend=[item.seq_id for item, tokens in zip(items, contexts) if tokens is None],
-            drafter_version=version,
+            drafter_version=version, server_seconds=time.perf_counter() - received,
         )
 
     def Speculate(
@@ -250,6 +252,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             yield self._speculate(request, context)
 
     def _speculate(self, request: drafter_pb2.SpeculateRequest, context: grpc.ServicerContext) -> drafter_pb2.SpeculateResponse:
+        received = time.perf_counter()
         drafter = self._serving(context)
         with _bad_input_is_invalid_argument(context):
             items = []
@@ -282,6 +285,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             sequence.base_len = len(tokens)
             for (accepted, token), block in next(results).items():
                 sequence.candidates.add(accepted=accepted, token=token, block=block_to_proto(block))
+        response.server_seconds = time.perf_counter() - received
         return response
 
     def Release(self, request: drafter_pb2.ReleaseRequest, context: grpc.ServicerContext) -> drafter_pb2.ReleaseResponse:

@@ -72,6 +72,9 @@ class PoolStats:
     """Parts of a call moved to another replica after their replica failed."""
     num_resends: int = 0
     """Sequences sent again in full because a replica asked (``resend``)."""
+    transport_seconds: float = 0.0
+    """Round trips' time outside the replica (the call's time minus the replica's
+    ``server_seconds``): serialisation, the network, gRPC's threads; / num_round_trips = mean."""
 
 
 def resolve(address: str) -> list[str]:
@@ -325,12 +328,16 @@ class RemoteDrafters:
             seq_id=seq.wire_id, context_start=start, tokens=request.context[start:], params=params_to_proto(request.params)
         )
 
-    def _answered(self, replica: _Replica, sent: Sequence[DraftRequest | SpeculateRequest], resend: set[int], version: str) -> list:
-        """Record an answer: what the replica now holds; returns the requests it wants resent."""
+    def _answered(self, replica: _Replica, sent: Sequence[DraftRequest | SpeculateRequest],
+                  response: drafter_pb2.DraftResponse | drafter_pb2.SpeculateResponse, seconds: float) -> list:
+        """Record an answer (what the replica now holds, its version, the transport's share of
+        the ``seconds`` the call took); returns the requests it wants resent."""
         again = []
+        resend = set(response.resend)
         with self._lock:
             self.stats.num_round_trips += 1
-            self.version = version or self.version
+            self.stats.transport_seconds += max(0.0, seconds - response.server_seconds)
+            self.version = response.drafter_version or self.version
             for request in sent:
                 seq = self._seqs[request.seq_id]
                 if seq.wire_id in resend:
@@ -353,13 +360,14 @@ class RemoteDrafters:
                 message = drafter_pb2.DraftRequest(items=[
                     drafter_pb2.DraftItem(context=self._context(replica, r), block_size=r.block_size) for r in batch
                 ])
+                sent_at = time.perf_counter()
                 try:
                     response = stub.Draft(message, timeout=self.timeout)
                 except grpc.RpcError as err:
                     raise _verdict(replica, err) from err
                 if len(response.blocks) != len(batch):
                     raise _ReplicaFailed(f"{replica.address}: {len(response.blocks)} blocks for {len(batch)} items")
-                again = self._answered(replica, batch, set(response.resend), response.drafter_version)
+                again = self._answered(replica, batch, response, time.perf_counter() - sent_at)
                 resent = {r.seq_id for r in again}
                 for request, block in zip(batch, response.blocks):
                     if request.seq_id not in resent:
@@ -389,10 +397,11 @@ class RemoteDrafters:
                     ])
                     if replica.stream is None:
                         replica.stream = _SpeculateStream(stub, replica.address)
+                    sent_at = time.perf_counter()
                     response = replica.stream.exchange(message, self.timeout)
                     if len(response.sequences) != len(batch):
                         raise _ReplicaFailed(f"{replica.address}: {len(response.sequences)} answers for {len(batch)} items")
-                    again = self._answered(replica, batch, set(response.resend), response.drafter_version)
+                    again = self._answered(replica, batch, response, time.perf_counter() - sent_at)
                     resent = {r.seq_id for r in again}
                     for request, sequence in zip(batch, response.sequences):
                         if request.seq_id not in resent:

@@ -155,8 +155,12 @@ class EngineCollector:
         if self.drafters is not None:
             yield InfoMetricFamily("specd:drafter_version", "Drafter weight version seen last",
                                    value={"version": self.drafters.version or "unknown"})
+            stats = dataclasses.asdict(self.drafters.stats)
+            yield CounterMetricFamily("specd:drafter_transport_seconds",
+                                      "Drafter round trips' time outside the replica (gRPC, network)",
+                                      value=stats.pop("transport_seconds"))
             pool = CounterMetricFamily("specd:drafter_pool_events", "Drafter pool events", labels=["event"])
-            for event, value in dataclasses.asdict(self.drafters.stats).items():
+            for event, value in stats.items():
                 pool.add_metric([event.removeprefix("num_")], value)
             yield pool
 

@@ -6,7 +6,10 @@ it completed, output tokens/s, TTFT/TPOT percentiles, τ and hit rate. `compare_
 every row under the same settings (block size, verifier rows, closed loop of the same
 concurrency and request count) with the profile's costs and workload (prompt lengths; output
 lengths capped at the run's ``max_tokens``), averages a few seeds (a level of a few requests is
-noisy), and reports simulated / measured. ``use_measured_hits`` takes each row's measured hit
+noisy), and reports simulated / measured. Two facts of the run come from its JSON: the drafter
+round trip's transport time it measured (``transport_ms``, instead of the profile's
+``rpc_seconds``) and the cores its drafters were pinned to (``drafter_cores``: two drafter
+processes on one core are one drafter's worth of compute). ``use_measured_hits`` takes each row's measured hit
 rate instead of the profile's, to tell cost-model error from acceptance error.
 
 What the simulator does not see: CPU cores shared between services and the client (the bench
@@ -73,6 +76,12 @@ def compare_serve(profile: Profile, serve: dict, *, seeds: int = 3, use_measured
         if not row.get("requests"):
             continue  # a level that completed nothing has nothing to compare
         config = deployment_config(row["deployment"], settings)
+        if row.get("drafter_cores"):
+            # Drafter processes pinned to fewer cores than there are processes share them: as
+            # compute they are that many replicas.
+            config.drafters = min(config.drafters, int(row["drafter_cores"]))
+        if row.get("transport_ms"):
+            config.rpc_seconds = float(row["transport_ms"]) / 1e3  # measured by the run itself
         if use_measured_hits and config.mode == "async":
             config.hit_rate = float(row.get("hit_rate", 0.0))
         results = []

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from specd._proto.v1 import common_pb2 as specd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specd/v1/drafter.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\"r\n\x0fSequenceContext\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x15\n\rcontext_start\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12(\n\x06params\x18\x04 \x01(\x0b\x32\x18.specd.v1.SamplingParams\"K\n\tDraftItem\x12*\n\x07\x63ontext\x18\x01 \x01(\x0b\x32\x19.specd.v1.SequenceContext\x12\x12\n\nblock_size\x18\x02 \x01(\r\"2\n\x0c\x44raftRequest\x12\"\n\x05items\x18\x01 \x03(\x0b\x32\x13.specd.v1.DraftItem\"^\n\rDraftResponse\x12$\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x14.specd.v1.DraftBlock\x12\x0e\n\x06resend\x18\x02 \x03(\x04\x12\x17\n\x0f\x64rafter_version\x18\x03 \x01(\t\"n\n\rSpeculateItem\x12*\n\x07\x63ontext\x18\x01 \x01(\x0b\x32\x19.specd.v1.SequenceContext\x12\r\n\x05\x62lock\x18\x02 \x03(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x0e\n\x06\x62udget\x18\x04 \x01(\r\"H\n\x10SpeculateRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12&\n\x05items\x18\x02 \x03(\x0b\x32\x17.specd.v1.SpeculateItem\"Q\n\tCandidate\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\x05\x12#\n\x05\x62lock\x18\x03 \x01(\x0b\x32\x14.specd.v1.DraftBlock\"_\n\x12SequenceCandidates\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\r\x12\'\n\ncandidates\x18\x03 \x03(\x0b\x32\x13.specd.v1.Candidate\"{\n\x11SpeculateResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12/\n\tsequences\x18\x02 \x03(\x0b\x32\x1c.specd.v1.SequenceCandidates\x12\x0e\n\x06resend\x18\x03 \x03(\x04\x12\x17\n\x0f\x64rafter_version\x18\x04 \x01(\t\"!\n\x0eReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\"\x11\n\x0fReleaseResponse\"\r\n\x0bInfoRequest\"d\n\x0cInfoResponse\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x11\n\tmax_block\x18\x02 \x01(\r\x12\x17\n\x0f\x64rafter_version\x18\x03 \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x04 \x01(\r2\x84\x02\n\x07\x44rafter\x12\x38\n\x05\x44raft\x12\x16.specd.v1.DraftRequest\x1a\x17.specd.v1.DraftResponse\x12H\n\tSpeculate\x12\x1a.specd.v1.SpeculateRequest\x1a\x1b.specd.v1.SpeculateResponse(\x01\x30\x01\x12>\n\x07Release\x12\x18.specd.v1.ReleaseRequest\x1a\x19.specd.v1.ReleaseResponse\x12\x35\n\x04Info\x12\x15.specd.v1.InfoRequest\x1a\x16.specd.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specd/v1/drafter.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\"r\n\x0fSequenceContext\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x15\n\rcontext_start\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12(\n\x06params\x18\x04 \x01(\x0b\x32\x18.specd.v1.SamplingParams\"K\n\tDraftItem\x12*\n\x07\x63ontext\x18\x01 \x01(\x0b\x32\x19.specd.v1.SequenceContext\x12\x12\n\nblock_size\x18\x02 \x01(\r\"2\n\x0c\x44raftRequest\x12\"\n\x05items\x18\x01 \x03(\x0b\x32\x13.specd.v1.DraftItem\"v\n\rDraftResponse\x12$\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x14.specd.v1.DraftBlock\x12\x0e\n\x06resend\x18\x02 \x03(\x04\x12\x17\n\x0f\x64rafter_version\x18\x03 \x01(\t\x12\x16\n\x0eserver_seconds\x18\x04 \x01(\x01\"n\n\rSpeculateItem\x12*\n\x07\x63ontext\x18\x01 \x01(\x0b\x32\x19.specd.v1.SequenceContext\x12\r\n\x05\x62lock\x18\x02 \x03(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x0e\n\x06\x62udget\x18\x04 \x01(\r\"H\n\x10SpeculateRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12&\n\x05items\x18\x02 \x03(\x0b\x32\x17.specd.v1.SpeculateItem\"Q\n\tCandidate\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\x05\x12#\n\x05\x62lock\x18\x03 \x01(\x0b\x32\x14.specd.v1.DraftBlock\"_\n\x12SequenceCandidates\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\r\x12\'\n\ncandidates\x18\x03 \x03(\x0b\x32\x13.specd.v1.Candidate\"\x93\x01\n\x11SpeculateResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12/\n\tsequences\x18\x02 \x03(\x0b\x32\x1c.specd.v1.SequenceCandidates\x12\x0e\n\x06resend\x18\x03 \x03(\x04\x12\x17\n\x0f\x64rafter_version\x18\x04 \x01(\t\x12\x16\n\x0eserver_seconds\x18\x05 \x01(\x01\"!\n\x0eReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\"\x11\n\x0fReleaseResponse\"\r\n\x0bInfoRequest\"d\n\x0cInfoResponse\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x11\n\tmax_block\x18\x02 \x01(\r\x12\x17\n\x0f\x64rafter_version\x18\x03 \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x04 \x01(\r2\x84\x02\n\x07\x44rafter\x12\x38\n\x05\x44raft\x12\x16.specd.v1.DraftRequest\x1a\x17.specd.v1.DraftResponse\x12H\n\tSpeculate\x12\x1a.specd.v1.SpeculateRequest\x1a\x1b.specd.v1.SpeculateResponse(\x01\x30\x01\x12>\n\x07Release\x12\x18.specd.v1.ReleaseRequest\x1a\x19.specd.v1.ReleaseResponse\x12\x35\n\x04Info\x12\x15.specd.v1.InfoRequest\x1a\x16.specd.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,25 +40,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTREQUEST']._serialized_start=252
   _globals['_DRAFTREQUEST']._serialized_end=302
   _globals['_DRAFTRESPONSE']._serialized_start=304
-  _globals['_DRAFTRESPONSE']._serialized_end=398
-  _globals['_SPECULATEITEM']._serialized_start=400
-  _globals['_SPECULATEITEM']._serialized_end=510
-  _globals['_SPECULATEREQUEST']._serialized_start=512
-  _globals['_SPECULATEREQUEST']._serialized_end=584
-  _globals['_CANDIDATE']._serialized_start=586
-  _globals['_CANDIDATE']._serialized_end=667
-  _globals['_SEQUENCECANDIDATES']._serialized_start=669
-  _globals['_SEQUENCECANDIDATES']._serialized_end=764
-  _globals['_SPECULATERESPONSE']._serialized_start=766
-  _globals['_SPECULATERESPONSE']._serialized_end=889
-  _globals['_RELEASEREQUEST']._serialized_start=891
-  _globals['_RELEASEREQUEST']._serialized_end=924
-  _globals['_RELEASERESPONSE']._serialized_start=926
-  _globals['_RELEASERESPONSE']._serialized_end=943
-  _globals['_INFOREQUEST']._serialized_start=945
-  _globals['_INFOREQUEST']._serialized_end=958
-  _globals['_INFORESPONSE']._serialized_start=960
-  _globals['_INFORESPONSE']._serialized_end=1060
-  _globals['_DRAFTER']._serialized_start=1063
-  _globals['_DRAFTER']._serialized_end=1323
+  _globals['_DRAFTRESPONSE']._serialized_end=422
+  _globals['_SPECULATEITEM']._serialized_start=424
+  _globals['_SPECULATEITEM']._serialized_end=534
+  _globals['_SPECULATEREQUEST']._serialized_start=536
+  _globals['_SPECULATEREQUEST']._serialized_end=608
+  _globals['_CANDIDATE']._serialized_start=610
+  _globals['_CANDIDATE']._serialized_end=691
+  _globals['_SEQUENCECANDIDATES']._serialized_start=693
+  _globals['_SEQUENCECANDIDATES']._serialized_end=788
+  _globals['_SPECULATERESPONSE']._serialized_start=791
+  _globals['_SPECULATERESPONSE']._serialized_end=938
+  _globals['_RELEASEREQUEST']._serialized_start=940
+  _globals['_RELEASEREQUEST']._serialized_end=973
+  _globals['_RELEASERESPONSE']._serialized_start=975
+  _globals['_RELEASERESPONSE']._serialized_end=992
+  _globals['_INFOREQUEST']._serialized_start=994
+  _globals['_INFOREQUEST']._serialized_end=1007
+  _globals['_INFORESPONSE']._serialized_start=1009
+  _globals['_INFORESPONSE']._serialized_end=1109
+  _globals['_DRAFTER']._serialized_start=1112
+  _globals['_DRAFTER']._serialized_end=1372
 # @@protoc_insertion_point(module_scope)

@@ -35,14 +35,16 @@ class DraftRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[DraftItem, _Mapping]]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("blocks", "resend", "drafter_version")
+    __slots__ = ("blocks", "resend", "drafter_version", "server_seconds")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RESEND_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SERVER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     blocks: _containers.RepeatedCompositeFieldContainer[_common_pb2.DraftBlock]
     resend: _containers.RepeatedScalarFieldContainer[int]
     drafter_version: str
-    def __init__(self, blocks: _Optional[_Iterable[_Union[_common_pb2.DraftBlock, _Mapping]]] = ..., resend: _Optional[_Iterable[int]] = ..., drafter_version: _Optional[str] = ...) -> None: ...
+    server_seconds: float
+    def __init__(self, blocks: _Optional[_Iterable[_Union[_common_pb2.DraftBlock, _Mapping]]] = ..., resend: _Optional[_Iterable[int]] = ..., drafter_version: _Optional[str] = ..., server_seconds: _Optional[float] = ...) -> None: ...
 
 class SpeculateItem(_message.Message):
     __slots__ = ("context", "block", "block_size", "budget")
@@ -85,16 +87,18 @@ class SequenceCandidates(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., base_len: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ...) -> None: ...
 
 class SpeculateResponse(_message.Message):
-    __slots__ = ("step", "sequences", "resend", "drafter_version")
+    __slots__ = ("step", "sequences", "resend", "drafter_version", "server_seconds")
     STEP_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     RESEND_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SERVER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step: int
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceCandidates]
     resend: _containers.RepeatedScalarFieldContainer[int]
     drafter_version: str
-    def __init__(self, step: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceCandidates, _Mapping]]] = ..., resend: _Optional[_Iterable[int]] = ..., drafter_version: _Optional[str] = ...) -> None: ...
+    server_seconds: float
+    def __init__(self, step: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceCandidates, _Mapping]]] = ..., resend: _Optional[_Iterable[int]] = ..., drafter_version: _Optional[str] = ..., server_seconds: _Optional[float] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("seq_ids",)
