@@ -96,7 +96,7 @@ def fetch_checkpoint(
                         f"but expected {expected_sha256.get(name, '(not expected)')}; refusing to install it"
                     )
         os.rename(staging, destination)
-        _fsync(destination.parent)
+        fsync_directory(destination.parent)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return destination
@@ -178,7 +178,8 @@ def _check_name(name: str, received: Mapping[str, str]) -> None:
         raise CheckpointError(f"file {name!r} was sent twice")
 
 
-def _fsync(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
+    """Make a rename inside ``directory`` durable."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -19,7 +19,10 @@ Design choices:
   caches belong to the old weights, so they go; the stored contexts stay, so the next call of each
   sequence re-prefills from its full context transparently (its candidates miss once). A checkpoint
   that does not load, or is not a compatible D3D drafter, is refused and the old weights keep
-  serving. `services.drafter.weights.WeightWatcher` drives swaps from the trainer's versions.
+  serving. `services.drafter.weights.WeightWatcher` drives swaps from the trainer's versions:
+  pulled with GetCheckpoint (``--weight-transport pull``, the default), or received from the
+  trainer's torch.distributed broadcast with pulling as the fallback (``broadcast``; see
+  `services.common.broadcast`).
 - **Bad input is INVALID_ARGUMENT** with the item and the reason; the replica keeps serving. Calls
   before the weights are loaded are UNAVAILABLE (health is NOT_SERVING until then).
 """
@@ -42,6 +45,7 @@ import redis
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from services.common.broadcast import ANNOUNCEMENT_KEY, REGISTRY_KEY, Membership, default_replica_id
 from services.common.config import ServiceConfig, parse_config
 from services.common.server import GrpcServer, abort, open_channel
 from services.common.telemetry import get_tracer, start_metrics_server
@@ -89,6 +93,21 @@ class DrafterConfig(ServiceConfig):
         default="",
         metadata={"help": "the drafter's own directory for fetched versions; older ones in it are deleted (empty = a temporary one)"},
     )
+    weight_transport: str = field(
+        default="pull",
+        metadata={"help": "pull: fetch new versions with GetCheckpoint; broadcast: also join the trainer's "
+                          "torch.distributed broadcasts (pulling stays the fallback)"},
+    )
+    replica_id: str = field(
+        default_factory=default_replica_id,
+        metadata={"help": "this replica's unique id in the broadcast registry (default hostname-pid-random)"},
+    )
+    broadcast_registry: str = field(
+        default=REGISTRY_KEY, metadata={"help": "Redis sorted set where replicas accepting broadcasts heartbeat"}
+    )
+    broadcast_key: str = field(
+        default=ANNOUNCEMENT_KEY, metadata={"help": "Redis key of the trainer's broadcast announcement"}
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -107,6 +126,20 @@ class DrafterConfig(ServiceConfig):
             )
         if self.poll_seconds <= 0:
             raise ValueError(f"poll_seconds must be > 0, got {self.poll_seconds}")
+        if self.weight_transport not in ("pull", "broadcast"):
+            raise ValueError(f"weight_transport must be pull or broadcast, got {self.weight_transport!r}")
+        if self.weight_transport == "broadcast" and not self.trainer:
+            raise ValueError("--weight-transport broadcast needs --trainer and --redis-url (the registry, the "
+                             "announcements, and the pull fallback)")
+        if not self.replica_id:
+            raise ValueError("replica_id is empty: leave it unset for a generated one, or give a unique name")
+
+    def membership(self) -> Membership | None:
+        """How this replica takes part in broadcasts; None when it only pulls."""
+        if self.weight_transport != "broadcast":
+            return None
+        return Membership(replica_id=self.replica_id, device=self.device, registry_key=self.broadcast_registry,
+                          announcement_key=self.broadcast_key)
 
 
 class DrafterMetrics:
@@ -127,6 +160,15 @@ class DrafterMetrics:
         self.weight_swaps = Counter("specd:drafter_weight_swaps", "Weight versions swapped in while serving", registry=registry)
         self.weight_refused = Counter(
             "specd:drafter_weight_refused", "Weight versions refused (failed sha256 verification or loading)", registry=registry
+        )
+        self.weight_pulls = Counter("specd:drafter_weight_pulls", "Weight versions fetched with GetCheckpoint", registry=registry)
+        self.weight_broadcasts = Counter(
+            "specd:drafter_weight_broadcasts", "Weight versions received by torch.distributed broadcast", registry=registry
+        )
+        self.weight_broadcast_failures = Counter(
+            "specd:drafter_weight_broadcast_failures",
+            "Broadcasts this replica joined that did not install (pulled instead), by reason: sha256 or transfer",
+            ["reason"], registry=registry,
         )
         self.evictions = Counter("specd:drafter_evictions", "Sequences evicted (least recently used) to make room", registry=registry)
         self.resends = Counter("specd:drafter_resends", "Sequences the verifier was asked to resend in full", registry=registry)
@@ -446,6 +488,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                 channel=config.version_channel,
                 poll_seconds=config.poll_seconds,
                 refused=servicer.metrics.weight_refused,
+                broadcast=config.membership(),
+                pulls=servicer.metrics.weight_pulls,
+                broadcasts=servicer.metrics.weight_broadcasts,
+                broadcast_failures=servicer.metrics.weight_broadcast_failures,
             )
             watcher.start()
         server.set_serving()

@@ -11,6 +11,15 @@ On a new version the watcher pulls the checkpoint from the trainer's ``GetCheckp
 the servicer's ``swap_weights``. A checkpoint that fails verification or loading is refused (logged,
 counted, not retried until the key changes) and the old weights keep serving; a trainer that cannot
 be reached is retried at the next poll.
+
+With a `Membership` (``--weight-transport broadcast``) the watcher also heartbeats the replica into
+the broadcast registry (every ``heartbeat_seconds``, from this thread) and, on every read, looks
+at the broadcast announcement first (`services.common.broadcast`): when it names this replica and
+a version not served yet, the watcher joins the update, receives the files (sha256-verified), and
+installs them through the same swap as a pull. Any failure there (a timeout, a dead peer, a
+sha256 mismatch) is logged and counted, nothing is installed, and the live-version key, which the
+trainer sets after every broadcast, makes the watcher pull the version as before. A version
+received by broadcast is already served when the key names it, so it is not pulled again.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import grpc
 import redis
 from prometheus_client import Counter
 
+from services.common.broadcast import Announcement, BroadcastError, Membership, heartbeat, leave, receive_version
 from services.common.checkpoints import CheckpointError, fetch_checkpoint
 from specd._proto.v1 import trainer_pb2_grpc
 from specd.models.loading import ModelLoadError
@@ -89,6 +99,10 @@ class WeightWatcher:
         poll_seconds: float,
         refused: Counter | None = None,
         fetch_timeout: float = 120.0,
+        broadcast: Membership | None = None,
+        pulls: Counter | None = None,
+        broadcasts: Counter | None = None,
+        broadcast_failures: Counter | None = None,
     ) -> None:
         self.target = target
         self.redis = redis_client
@@ -97,7 +111,11 @@ class WeightWatcher:
         self.key, self.channel, self.poll_seconds = key, channel, poll_seconds
         self.refused = refused
         self.fetch_timeout = fetch_timeout
+        self.broadcast = broadcast  # None: pull only
+        self.pulls, self.broadcasts = pulls, broadcasts  # versions installed each way
+        self.broadcast_failures = broadcast_failures  # labelled by reason: "sha256" or "transfer"
         self._last_raw: bytes | str | None = None  # the key's value last acted on
+        self._last_announcement: bytes | str | None = None  # the announcement last acted on
         self._outcomes: dict[str, str] = {}  # version -> "installed" | "refused"
         self._settled = threading.Condition()
         self._stop = threading.Event()
@@ -108,10 +126,16 @@ class WeightWatcher:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop watching (returns within about a second, or once a fetch in progress ends)."""
+        """Stop watching (returns within about a second, or once a transfer in progress ends);
+        leave the broadcast registry so the trainer stops counting on this replica."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=self.fetch_timeout)
+        if self.broadcast is not None:
+            try:
+                leave(self.redis, self.broadcast.replica_id, self.broadcast.registry_key)
+            except redis.RedisError as err:  # its heartbeat goes stale on its own
+                logger.warning("could not leave the broadcast registry %s: %s", self.broadcast.registry_key, err)
 
     def wait_for(self, version: str, timeout: float) -> str | None:
         """Block until the watcher has acted on ``version``: "installed", "refused", or None on timeout."""
@@ -126,6 +150,8 @@ class WeightWatcher:
 
         Raises redis.RedisError when Redis cannot be reached.
         """
+        if self.broadcast is not None:
+            self._check_announcement(self.broadcast)
         raw = self.redis.get(self.key)
         if raw is None or raw == self._last_raw:
             return None
@@ -153,15 +179,60 @@ class WeightWatcher:
                 record.version, err.code().name, err.details(), self.poll_seconds,
             )
             return None
+        if self.pulls is not None:
+            self.pulls.inc()
+        return self._settle(raw, record.version, self._install(destination, record.version))
+
+    def _check_announcement(self, membership: Membership) -> None:
+        """Join the broadcast the announcement describes when it names this replica (module docstring)."""
+        raw = self.redis.get(membership.announcement_key)
+        if raw is None or raw == self._last_announcement:
+            return
+        self._last_announcement = raw
         try:
-            self.target.swap_weights(destination, record.version)  # counts and logs its own refusals
+            announcement = Announcement.parse(raw)
+        except ValueError as err:
+            logger.error("ignoring Redis key %s: %s", membership.announcement_key, err)
+            return
+        if announcement.rank_of(membership.replica_id) is None:
+            return  # not asked (registered after it began): the live key makes us pull
+        # A member must take part even in a version it already serves, or the trainer waits for
+        # it and calls the update off for everyone: receive it to a hidden directory and drop it.
+        served = announcement.version == self.target.version
+        destination = self.directory / (f".served-{announcement.version}" if served else announcement.version)
+        shutil.rmtree(destination, ignore_errors=True)  # a leftover of an earlier refused attempt
+        try:
+            receive_version(announcement, membership.replica_id, destination, device=membership.device)
+        except (BroadcastError, CheckpointError, OSError) as err:  # OSError: the directory cannot be written
+            if self.broadcast_failures is not None:
+                self.broadcast_failures.labels(reason="sha256" if isinstance(err, CheckpointError) else "transfer").inc()
+            logger.warning("broadcast of drafter version %r failed: %s; pulling it with GetCheckpoint instead, "
+                           "still serving %r meanwhile", announcement.version, err, self.target.version)
+            return
+        finally:
+            heartbeat(self.redis, membership.replica_id, membership.registry_key)  # a long transfer kept us silent
+        if served:
+            shutil.rmtree(destination, ignore_errors=True)
+            return
+        if self.broadcasts is not None:
+            self.broadcasts.inc()
+        outcome = self._install(destination, announcement.version)
+        with self._settled:
+            self._outcomes[announcement.version] = outcome
+            self._settled.notify_all()
+
+    def _install(self, destination: Path, version: str) -> str:
+        """Swap in the verified files at ``destination``: "installed", or "refused" (the old
+        weights stay); on success, the other version directories go."""
+        try:
+            self.target.swap_weights(destination, version)  # counts and logs its own refusals
         except ModelLoadError:
             shutil.rmtree(destination, ignore_errors=True)
-            return self._settle(raw, record.version, "refused")
+            return "refused"
         for old in self.directory.iterdir():
-            if old.is_dir() and old.name != record.version and not old.name.startswith("."):
+            if old.is_dir() and old.name != version and not old.name.startswith("."):
                 shutil.rmtree(old, ignore_errors=True)
-        return self._settle(raw, record.version, "installed")
+        return "installed"
 
     def _settle(self, raw: bytes | str, version: str, outcome: str) -> str:
         self._last_raw = raw
@@ -173,16 +244,21 @@ class WeightWatcher:
     def _run(self) -> None:
         pubsub = None
         due = 0.0  # monotonic time of the next read of the key
+        beat = 0.0  # monotonic time of the next broadcast heartbeat
         while not self._stop.is_set():
             try:
                 if pubsub is None:
                     pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
                     pubsub.subscribe(self.channel)
+                if self.broadcast is not None and time.monotonic() >= beat:
+                    heartbeat(self.redis, self.broadcast.replica_id, self.broadcast.registry_key)
+                    beat = time.monotonic() + self.broadcast.heartbeat_seconds
                 if time.monotonic() >= due:
                     self.check()
                     due = time.monotonic() + self.poll_seconds
                 # Wake at least every second to notice stop(); a message means "re-read now".
-                wait = min(1.0, max(0.0, due - time.monotonic()))
+                wake = min(due, beat) if self.broadcast is not None else due
+                wait = min(1.0, max(0.0, wake - time.monotonic()))
                 if pubsub.get_message(timeout=wait) is not None:
                     due = 0.0
             except redis.RedisError as err:

@@ -15,6 +15,11 @@ group) into a `specd.train.online.OnlineLearner`, which decides everything else:
    is written under ``checkpoint_dir/versions/<version>``, ``version_key`` is SET to
    ``{"version", "sha256": {file: hex}}`` and a hint is PUBLISHed on ``version_channel``;
    drafters pull it with ``GetCheckpoint``. A refused one is counted.
+   With ``--weight-transport broadcast``, before the key is set the version's files are
+   broadcast over torch.distributed to the drafter replicas registered for it
+   (`services.common.broadcast`: announcement key + hint, a process group for this update only);
+   whatever goes wrong there is logged and counted, the key is set all the same, and drafters
+   that did not get the files pull them.
 
 SIGTERM: the gRPC server drains, the loop finishes its current step, saves, acknowledges and exits.
 One trainer replica owns a lineage of drafter weights; the consumer group is what lets a replaced
@@ -39,6 +44,13 @@ import redis
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from services.common.broadcast import (
+    ANNOUNCEMENT_KEY,
+    REGISTRY_KEY,
+    BroadcastError,
+    VersionBroadcast,
+    live_members,
+)
 from services.common.checkpoints import stream_checkpoint
 from services.common.config import ServiceConfig, parse_config
 from services.common.server import MAX_MESSAGE_BYTES, GrpcServer, abort
@@ -48,7 +60,7 @@ from services.trainer.stream import Entry, TraceStream
 from specd._proto.v1 import trainer_pb2, trainer_pb2_grpc
 from specd.models.d3d import D3DModel
 from specd.models.loading import ModelLoadError, load_model
-from specd.train.online import GateDecision, OnlineConfig, OnlineLearner, Trace
+from specd.train.online import GateDecision, OnlineConfig, OnlineLearner, Published, Trace
 from specd.train.specopd import LocalScorer, SpecOPDConfig, TreeScorer
 
 logger = logging.getLogger(__name__)
@@ -100,9 +112,25 @@ class TrainerConfig(ServiceConfig):
     seed: int = field(default=0, metadata={"help": "seeds anchors, branches and the gate"})
     device: str = field(default="cpu", metadata={"help": "torch device of the drafter being trained and a local target"})
     threads: int = field(default=1, metadata={"help": "torch CPU threads (0 = torch's default)"})
+    weight_transport: str = field(default="pull", metadata={
+        "help": "pull: drafters fetch versions with GetCheckpoint; broadcast: also send each version over "
+                "torch.distributed (NCCL with a CUDA --device, else gloo) to the replicas registered for it"})
+    broadcast_host: str = field(default="", metadata={
+        "help": "address drafters reach this trainer's broadcast store on (empty = --host, or this machine's "
+                "address when --host is a wildcard; in a pod, its IP)"})
+    broadcast_timeout: float = field(default=30.0, metadata={
+        "help": "seconds a broadcast waits for the members to join and for each transfer step before "
+                "giving up (drafters then pull)"})
+    broadcast_registry: str = field(default=REGISTRY_KEY, metadata={
+        "help": "Redis sorted set where drafter replicas accepting broadcasts heartbeat"})
+    broadcast_key: str = field(default=ANNOUNCEMENT_KEY, metadata={"help": "Redis key of the broadcast announcement"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.weight_transport not in ("pull", "broadcast"):
+            raise ValueError(f"weight_transport must be pull or broadcast, got {self.weight_transport!r}")
+        if self.broadcast_timeout <= 0:
+            raise ValueError(f"broadcast_timeout must be > 0 seconds, got {self.broadcast_timeout}")
         if bool(self.target) == bool(self.verifiers):
             raise ValueError("set exactly one of --target (a local target directory) and --verifiers "
                              f"(verifier addresses for Score); got target={self.target!r}, verifiers={self.verifiers}")
@@ -116,6 +144,14 @@ class TrainerConfig(ServiceConfig):
         return SpecOPDConfig(block_size=self.block_size, anchors_per_seq=self.anchors_per_seq,
                              branches_per_anchor=self.branches_per_anchor, max_context=self.max_context,
                              loss=self.loss, lr=self.lr, seed=self.seed)
+
+    def store_host(self) -> str:
+        """Where drafters reach the broadcast store (see --broadcast-host)."""
+        if self.broadcast_host:
+            return self.broadcast_host
+        if self.host in ("", "0.0.0.0", "::", "[::]"):
+            return socket.gethostbyname(socket.gethostname())
+        return self.host
 
     def online(self) -> OnlineConfig:
         return OnlineConfig(batch_size=self.batch_size, steps_per_version=self.steps_per_version,
@@ -141,6 +177,10 @@ class TrainerMetrics:
                                     registry=registry)
         self.live_tau = Gauge("specd:trainer_live_tau", "Held-out τ of the live drafter at the last gate", registry=registry)
         self.candidate_tau = Gauge("specd:trainer_candidate_tau", "Held-out τ of the last candidate", registry=registry)
+        self.broadcasts = Counter("specd:trainer_weight_broadcasts",
+                                  "Versions broadcast to the registered drafter replicas", registry=registry)
+        self.broadcast_failures = Counter("specd:trainer_weight_broadcast_failures",
+                                          "Broadcasts that failed (the drafters pulled instead)", registry=registry)
 
 
 class TrainerService:
@@ -315,6 +355,8 @@ class TrainerService:
 
     def _publish(self, candidate: D3DModel | None, decision: GateDecision) -> None:
         published = self.learner.write(candidate)
+        if self.config.weight_transport == "broadcast":
+            self._broadcast(published)
         announcement = published.announcement()
         # The key first: it is the truth; the message is only a hint to re-read it.
         self.client.set(self.config.version_key, announcement)
@@ -326,6 +368,37 @@ class TrainerService:
         self.metrics.live_version.labels(published.version).set(1)
         self.metrics.versions_published.inc()
         logger.info("published drafter version %s", published.version)
+
+    def _broadcast(self, published: Published) -> None:
+        """Send ``published`` to the registered drafters (before the live key names it). Never
+        raises for the transfer: a failed broadcast means the drafters pull, as without one."""
+        config = self.config
+        members = live_members(self.client, config.broadcast_registry)
+        if not members:
+            logger.info("no drafter replica registered for broadcasts: they pull %s", published.version)
+            return
+        try:
+            with VersionBroadcast(published.directory, published.version, published.sha256, members,
+                                  host=config.store_host(), timeout=config.broadcast_timeout, device=config.device) as update:
+                announcement = update.announcement.to_json()
+                # Expires on its own should this process die mid-update; deleted when the update ends.
+                self.client.set(config.broadcast_key, announcement, ex=math.ceil(4 * config.broadcast_timeout) + 10)
+                self.client.publish(config.version_channel, announcement)
+                try:
+                    result = update.send()
+                finally:
+                    self.client.delete(config.broadcast_key)
+        except (BroadcastError, OSError) as error:  # OSError: no port for the store, a file gone
+            self.metrics.broadcast_failures.inc()
+            logger.warning("broadcast of drafter version %s failed: %s; the drafters pull it with GetCheckpoint instead",
+                           published.version, error)
+            return
+        self.metrics.broadcasts.inc()
+        for member, reason in result.refused.items():
+            logger.warning("drafter replica %s did not install broadcast version %s (%s); it pulls it instead",
+                           member, published.version, reason)
+        logger.info("broadcast drafter version %s to %d of %d replicas over %s", published.version,
+                    len(result.received), len(members), update.backend)
 
     # ------------------------------------------------------------------ what the servicer reads
     def status(self) -> trainer_pb2.StatusResponse:

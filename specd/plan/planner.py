@@ -310,7 +310,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tpot-slo-ms", type=float, default=0.0, help="pick only splits with TPOT p99 at or under this")
     parser.add_argument("--fixed-block", action="store_true", help="verifiers run with --adaptive-block off")
     parser.add_argument("--rows", choices=("profile", "padded", "running"), default="profile",
-                        help="pass cost by all cache rows (specd's engine) or running sequences (default: the profile's)")
+                        help="busy rows padded to the longest (specd's engine) or packed tokens (default: the profile's)")
     parser.add_argument("--no-plain", action="store_true", help="do not consider plain decoding")
     parser.add_argument("--levels", default="0.25,1,4", help="load multipliers for the plot's second panel ('' = none)")
     parser.add_argument("--out", default="values-override.yaml", help="Helm values override to write")

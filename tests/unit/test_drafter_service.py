@@ -25,6 +25,7 @@ import pytest
 import redis
 import torch
 from prometheus_client import CollectorRegistry
+from redis_server import redis_server
 
 from services.common.checkpoints import stream_checkpoint
 from services.common.config import ServiceConfig
@@ -285,25 +286,8 @@ class CheckpointTrainer(trainer_pb2_grpc.TrainerServicer):
 
 @pytest.fixture
 def redis_url(tmp_path) -> Iterator[str]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    process = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
-        stdout=subprocess.DEVNULL,
-    )
-    client = redis.Redis(port=port)
-    deadline = time.monotonic() + 20
-    while True:  # readiness poll: a PING answered
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            assert process.poll() is None and time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0"
-    process.terminate()
-    process.wait(timeout=10)
+    with redis_server(tmp_path) as url:
+        yield url
 
 
 def test_watcher_installs_published_versions_and_refuses_a_wrong_sha256(checkpoints, redis_url, tmp_path):

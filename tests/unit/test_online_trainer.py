@@ -23,6 +23,7 @@ import grpc
 import pytest
 import redis
 import torch
+from redis_server import redis_server
 
 from services.common.checkpoints import fetch_checkpoint
 from services.common.config import ServiceConfig
@@ -53,25 +54,8 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory):
-    port = free_port()
-    process = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(tmp_path_factory.mktemp("redis"))],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    client = redis.Redis(port=port)
-    deadline = time.monotonic() + 10
-    while True:  # poll until it answers PING (its readiness check)
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline or process.poll() is not None:
-                process.kill()
-                raise RuntimeError(f"redis-server on port {port} did not start") from None
-            time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0"
-    process.terminate()
-    process.wait(10)
+    with redis_server(tmp_path_factory.mktemp("redis")) as url:
+        yield url
 
 
 @pytest.fixture
