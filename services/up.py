@@ -314,6 +314,10 @@ def add_arguments(parser) -> None:
                         help="stream one chat completion through the HTTP API, compare with plain decoding, stop")
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def _zoo_model(name: str) -> str:
     from specd import zoo
 
@@ -345,12 +349,20 @@ def run(args) -> int:
         if args.demo:
             return _demo(stack, args.auth_token)
         print("serving; Ctrl-C stops everything", flush=True)
-        signal.sigwait({signal.SIGINT, signal.SIGTERM}) if hasattr(signal, "sigwait") else signal.pause()
-        return 0
+        signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the stack like Ctrl-C
+        while True:
+            for service in stack.services:
+                if service.process.poll() is not None:
+                    print(f"specd up: {service.name} exited with {service.process.returncode}: {_tail(service.log)}",
+                          file=sys.stderr)
+                    return 1
+            time.sleep(1.0)
     except KeyboardInterrupt:
         return 0
     finally:
         print("stopping ...", flush=True)
+        for signum in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the drain short
+            signal.signal(signum, signal.SIG_IGN)
         stack.stop()
 
 

@@ -367,7 +367,9 @@ class SpeculativeEngine:
     def _verify_pass(self, running: list[_Sequence], blocks: list[list[int]]) -> list[Tensor]:
         """Target distributions ``[len(block) + 1, vocab]`` per sequence, after its params."""
         # Rows past the highest busy one stay out of the pass when the cache allows it.
-        rows = max(s.row for s in running) + 1 if getattr(self.cache, "supports_row_prefix", False) else len(self.cache.lengths)
+        rows = len(self.cache.lengths)
+        if getattr(self.cache, "supports_row_prefix", False):
+            rows = max(s.row for s in running) + 1
         trees = [TokenTree.chain([], int(length)) for length in self.cache.lengths[:rows]]
         for seq, block in zip(running, blocks):
             trees[seq.row] = TokenTree.chain(seq.context[seq.cached :] + block, seq.cached)

@@ -205,12 +205,17 @@ class ServingEngine:
         """Submit one request and wait for all of its tokens."""
         return [t for delta in self.submit(prompt, params) for t in delta.token_ids]
 
-    def shutdown(self, drain: bool = True) -> None:
-        """Stop the loop; with ``drain`` it first finishes every running and queued request."""
+    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop the loop; with ``drain`` it first finishes every running and queued request, for
+        at most ``timeout`` seconds (None: as long as they take), then aborts what is left."""
         with self._cond:
             self._stopping, self._drain = True, drain
             self._cond.notify()
-        self._thread.join()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            with self._cond:
+                self._drain = False
+            self._thread.join()
         self.engine.close()
 
     # ------------------------------------------------------------------ the loop

@@ -229,7 +229,8 @@ def main(argv: list[str] | None = None) -> None:
           f"({'drafters ' + ','.join(config.drafters) if drafters else 'plain decoding'})", flush=True)
 
     def drain() -> None:
-        engine.shutdown(drain=True)  # running and queued requests finish; new ones are refused
+        # Running and queued requests finish (new ones are refused), within the drain budget.
+        engine.shutdown(drain=True, timeout=config.drain_seconds)
 
     grpc_server.wait_for_termination(on_drain=drain)
     if http is not None:

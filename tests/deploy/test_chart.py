@@ -452,7 +452,8 @@ def test_termination_grace_outlasts_the_drain(value_set):
         if item["metadata"]["name"] == full_name("redis"):
             continue
         drain = float(pod_env(manifests, item)["SPECD_DRAIN_SECONDS"])
-        assert item["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > drain, item["metadata"]["name"]
+        # Two phases of up to drain_seconds each: running requests, then in-flight calls.
+        assert item["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 2 * drain, item["metadata"]["name"]
 
 
 # ---------------------------------------------------------------------------- GPU and CPU values

@@ -115,3 +115,25 @@ def test_shutdown_drains_queued_requests(target):
     assert [sum(len(d.token_ids) for d in s) for s in streams] == [5, 5, 5]
     with pytest.raises(RuntimeError, match="shutting down"):
         engine.submit([9], SamplingParams())
+
+
+def test_a_pass_covers_only_the_busy_rows(target):
+    """One request in an engine of 8 rows: its passes cover one cache row, not eight (idle rows
+    would cost padding compute), and the output is still exactly plain decoding."""
+    engine = ServingEngine(target, drafter(8), EngineConfig(max_num_seqs=8, block_size=4))
+    prompt = prompts(1)[0]
+    params = SamplingParams(max_tokens=9)
+    assert engine.generate(prompt, params) == autoregressive(target, [prompt], params)[0].token_ids
+    assert engine.engine._last_batch.num_seqs == 1
+    assert engine.engine.drafter.cache.lengths[1:].eq(0).all()  # the drafter used its first row only
+    engine.shutdown()
+
+
+def test_a_bounded_drain_aborts_what_it_could_not_finish(target):
+    engine = ServingEngine(target, config=EngineConfig(max_num_seqs=1))
+    long = engine.submit(prompts(1)[0], SamplingParams(max_tokens=4000))
+    queued = engine.submit([9, 10], SamplingParams(max_tokens=4))
+    next(iter(long))  # it is running
+    engine.shutdown(drain=True, timeout=0.2)
+    assert list(long)[-1].finish_reason == "abort"
+    assert list(queued)[-1].finish_reason == "abort"

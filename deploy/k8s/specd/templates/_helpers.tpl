@@ -129,14 +129,15 @@ every YAML number as a float64, which would print 1000000 as 1e+06).
 {{- toJson (merge (deepCopy (default dict $role.config)) (deepCopy (default dict .root.Values.config))) }}
 {{- end }}
 
-{{/* Refuses a grace period that does not outlast the drain. */}}
+{{/* Refuses a grace period that does not outlast the drain: two phases of up to drain_seconds
+each (the verifier finishes running requests, then gRPC lets in-flight calls end). */}}
 {{- define "specd.checkGrace" -}}
 {{- $role := index .root.Values .component }}
 {{- $config := include "specd.roleConfig" . | fromJson }}
 {{- $drain := 10.0 }}
 {{- if hasKey $config "drain_seconds" }}{{ $drain = float64 $config.drain_seconds }}{{ end }}
-{{- if le (float64 $role.terminationGracePeriodSeconds) $drain }}
-{{- fail (printf "%s.terminationGracePeriodSeconds (%v) must be larger than drain_seconds (%v): on SIGTERM the service drains for drain_seconds and Kubernetes kills it when the grace period ends; raise %s.terminationGracePeriodSeconds or lower drain_seconds" .component $role.terminationGracePeriodSeconds $drain .component) }}
+{{- if le (float64 $role.terminationGracePeriodSeconds) (mulf 2.0 $drain) }}
+{{- fail (printf "%s.terminationGracePeriodSeconds (%v) must be larger than twice drain_seconds (%v): on SIGTERM the service finishes running requests, then in-flight calls, each for up to drain_seconds, and Kubernetes kills it when the grace period ends; raise %s.terminationGracePeriodSeconds or lower drain_seconds" .component $role.terminationGracePeriodSeconds $drain .component) }}
 {{- end }}
 {{- end }}
 
