@@ -199,27 +199,33 @@ class BroadcastResult:
 
 
 # ---------------------------------------------------------------------------- both sides
-def _timedelta(seconds: float) -> timedelta:
+def seconds_timedelta(seconds: float) -> timedelta:
     return timedelta(seconds=seconds)
 
 
-def _new_group(backend: str, store: dist.Store, rank: int, world_size: int, timeout: float) -> dist.Backend:
+def master_store(host: str, timeout: float) -> dist.TCPStore:
+    """A TCPStore on a free port of ``host`` that does not wait for its clients: they connect
+    whenever they read its address (an announcement, a Score request)."""
+    return dist.TCPStore(host, 0, None, True, timeout=seconds_timedelta(timeout), wait_for_workers=False)
+
+
+def new_group(backend: str, store: dist.Store, rank: int, world_size: int, timeout: float) -> dist.Backend:
     """A process group for one update only (module docstring: why not the default group)."""
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, _timedelta(timeout))
+        return dist.ProcessGroupGloo(store, rank, world_size, seconds_timedelta(timeout))
     if not dist.is_nccl_available():
         raise BroadcastError("this torch has no NCCL: an NCCL broadcast needs a CUDA build of torch on every rank")
     options = dist.ProcessGroupNCCL.Options()
     options.is_high_priority_stream = False
-    options._timeout = _timedelta(timeout)
+    options._timeout = seconds_timedelta(timeout)
     return dist.ProcessGroupNCCL(store, rank, world_size, options)
 
 
-def _transfer_device(backend: str, device: str | torch.device) -> torch.device:
+def transfer_device(backend: str, device: str | torch.device) -> torch.device:
     return torch.device(device) if backend == "nccl" else torch.device("cpu")
 
 
-def _cannot_join(backend: str, device: str | torch.device) -> str | None:
+def cannot_join(backend: str, device: str | torch.device) -> str | None:
     """Why this rank cannot take part in a ``backend`` broadcast on ``device``, None when it can."""
     if backend == "nccl" and (torch.device(device).type != "cuda" or not torch.cuda.is_available()):
         return f"an NCCL broadcast needs a CUDA device, but this replica runs on {device}"
@@ -229,7 +235,7 @@ def _cannot_join(backend: str, device: str | torch.device) -> str | None:
 def _broadcast(group: dist.Backend, tensor: torch.Tensor, timeout: float) -> None:
     options = dist.BroadcastOptions()
     options.rootRank = 0
-    group.broadcast([tensor], options).wait(_timedelta(timeout))
+    group.broadcast([tensor], options).wait(seconds_timedelta(timeout))
     if tensor.is_cuda:  # the next chunk reuses host memory: let this one land first
         torch.cuda.current_stream(tensor.device).synchronize()
 
@@ -253,12 +259,10 @@ class VersionBroadcast:
             raise ValueError("a broadcast needs at least one member; with none, drafters pull")
         self.directory = Path(directory)
         self.backend = backend_for(device)
-        self.device = _transfer_device(self.backend, device)
+        self.device = transfer_device(self.backend, device)
         files = {name: (self.directory / name).stat().st_size for name in sorted(sha256)}
         try:
-            # A free port; wait_for_workers=False: members connect whenever they read the announcement.
-            self.store: dist.TCPStore | None = dist.TCPStore(host, 0, None, True, timeout=_timedelta(timeout),
-                                                             wait_for_workers=False)
+            self.store: dist.TCPStore | None = master_store(host, timeout)
         except RuntimeError as err:
             raise BroadcastError(f"cannot start the broadcast store on {host} (is --broadcast-host an address of "
                                  f"this machine?): {err}") from None
@@ -290,7 +294,7 @@ class VersionBroadcast:
         self._rendezvous(store)
         group = None
         try:
-            group = _new_group(announcement.backend, dist.PrefixStore("group", store), 0, announcement.world_size,
+            group = new_group(announcement.backend, dist.PrefixStore("group", store), 0, announcement.world_size,
                                announcement.timeout)
             buffer = bytearray(min(announcement.chunk_bytes, max(announcement.files.values(), default=0)))
             for name, size in announcement.files.items():  # sorted by name
@@ -311,7 +315,7 @@ class VersionBroadcast:
         announcement = self.announcement
         keys = [f"ready/{rank}" for rank in range(1, announcement.world_size)]
         try:
-            store.wait(keys, _timedelta(announcement.timeout))
+            store.wait(keys, seconds_timedelta(announcement.timeout))
         except RuntimeError:
             missing = [m for m, key in zip(announcement.members, keys) if not store.check([key])]
             reason = (f"drafter replica(s) {missing} did not join the broadcast of {announcement.version} within "
@@ -331,7 +335,7 @@ class VersionBroadcast:
         announcement = self.announcement
         keys = [f"done/{rank}" for rank in range(1, announcement.world_size)]
         try:
-            store.wait(keys, _timedelta(announcement.timeout))
+            store.wait(keys, seconds_timedelta(announcement.timeout))
         except RuntimeError:
             pass  # a member that received everything and then died: reported below as "no report"
         result = BroadcastResult()
@@ -362,10 +366,10 @@ def receive_version(announcement: Announcement, replica_id: str, destination: Pa
         raise FileExistsError(f"broadcast destination {destination} already exists: receive each version into a new directory")
     where = f"the trainer's store at {announcement.master_addr}:{announcement.master_port}"
     # Members wait out the trainer's own wait for the slowest member (one timeout), and then some.
-    patience = _timedelta(2 * announcement.timeout + 5)
+    patience = seconds_timedelta(2 * announcement.timeout + 5)
     try:
         store = dist.TCPStore(announcement.master_addr, announcement.master_port, None, False, timeout=patience)
-        problem = _cannot_join(announcement.backend, device)
+        problem = cannot_join(announcement.backend, device)
         store.set(f"ready/{rank}", problem or "ok")
         if problem:
             raise BroadcastError(problem)
@@ -380,7 +384,7 @@ def receive_version(announcement: Announcement, replica_id: str, destination: Pa
     destination.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=destination.parent))
     try:
-        digests = _receive_files(announcement, rank, store, staging, _transfer_device(announcement.backend, device))
+        digests = _receive_files(announcement, rank, store, staging, transfer_device(announcement.backend, device))
         wrong = {name: digest for name, digest in digests.items() if digest != announcement.sha256[name]}
         report = "ok" if not wrong else "sha256 mismatch: " + ", ".join(
             f"{name} is {digest}, announced {announcement.sha256[name]}" for name, digest in sorted(wrong.items()))
@@ -402,7 +406,7 @@ def _receive_files(announcement: Announcement, rank: int, store: dist.TCPStore, 
     group = None
     digests: dict[str, str] = {}
     try:
-        group = _new_group(announcement.backend, dist.PrefixStore("group", store), rank, announcement.world_size,
+        group = new_group(announcement.backend, dist.PrefixStore("group", store), rank, announcement.world_size,
                            announcement.timeout)
         for name, size in announcement.files.items():
             with open(staging / name, "wb") as handle:

@@ -83,6 +83,14 @@ class TrainerConfig(ServiceConfig):
     verifiers: list[str] = field(default_factory=list, metadata={
         "help": "verifier gRPC addresses for Score (comma list, round-robin with failover); one of --target/--verifiers"})
     top_k: int = field(default=0, metadata={"help": "Score with top-k log-probs instead of full distributions (0 = full)"})
+    score_transport: str = field(default="grpc", metadata={
+        "help": "grpc: Score answers carry the probabilities; tensor: full distributions come over a torch.distributed "
+                "channel per verifier (NCCL with a CUDA --device, else gloo), plain gRPC whenever it fails"})
+    score_channel_host: str = field(default="", metadata={
+        "help": "address verifiers reach this trainer's Score channel stores on (empty = --host, or this machine's "
+                "address when --host is a wildcard; in a pod, its IP)"})
+    score_channel_timeout: float = field(default=30.0, metadata={
+        "help": "seconds any one Score channel wait (joining, each transfer) may take before that call goes over gRPC"})
     stop_token_ids: list[int] = field(default_factory=list, metadata={
         "help": "the target's stop tokens with --verifiers (a branch supervises up to its first one); "
                 "a local --target says its own"})
@@ -129,6 +137,13 @@ class TrainerConfig(ServiceConfig):
         super().__post_init__()
         if self.weight_transport not in ("pull", "broadcast"):
             raise ValueError(f"weight_transport must be pull or broadcast, got {self.weight_transport!r}")
+        if self.score_transport not in ("grpc", "tensor"):
+            raise ValueError(f"score_transport must be grpc or tensor, got {self.score_transport!r}")
+        if self.score_transport == "tensor" and (self.top_k or not self.verifiers):
+            raise ValueError("--score-transport tensor carries full distributions from --verifiers: it needs --top-k 0 "
+                             f"and verifier addresses (got top_k={self.top_k}, verifiers={self.verifiers})")
+        if not 0 < self.score_channel_timeout <= 600:
+            raise ValueError(f"score_channel_timeout must be in (0, 600] seconds, got {self.score_channel_timeout}")
         if self.broadcast_timeout <= 0:
             raise ValueError(f"broadcast_timeout must be > 0 seconds, got {self.broadcast_timeout}")
         if bool(self.target) == bool(self.verifiers):
@@ -147,8 +162,13 @@ class TrainerConfig(ServiceConfig):
 
     def store_host(self) -> str:
         """Where drafters reach the broadcast store (see --broadcast-host)."""
-        if self.broadcast_host:
-            return self.broadcast_host
+        return self.broadcast_host or self._own_address()
+
+    def channel_host(self) -> str:
+        """Where verifiers reach the Score channel stores (see --score-channel-host)."""
+        return self.score_channel_host or self._own_address()
+
+    def _own_address(self) -> str:
         if self.host in ("", "0.0.0.0", "::", "[::]"):
             return socket.gethostbyname(socket.gethostname())
         return self.host
@@ -222,7 +242,9 @@ class TrainerService:
         if not config.stop_token_ids:
             logger.warning("no --stop-token-ids: branches are supervised past the target's stop tokens")
         return RemoteScorer(config.verifiers, config, config.top_k, vocab_size=drafter.config.vocab_size,
-                            stop_token_ids=config.stop_token_ids)
+                            stop_token_ids=config.stop_token_ids, transport=config.score_transport,
+                            channel_host=config.channel_host() if config.score_transport == "tensor" else "",
+                            channel_timeout=config.score_channel_timeout, device=config.device)
 
     def _adopt_announced(self) -> None:
         """After a crash between publishing a version and saving the checkpoint that records it,

@@ -8,6 +8,13 @@ per sequence, the rows' full fp32 probabilities (``top_k = 0``) or their top-k l
 log of the mass outside them (``top_k > 0``: ``k`` ids + ``k`` log-probs + 1 float per row
 instead of ``vocab`` floats).
 
+With ``ScoreRequest.channel`` (full distributions only), the probabilities go over a tensor
+channel instead (`services.common.tensor_channel`): the answer holds each result's shape and dtype
+(``on_channel``), and the channel's thread sends the tensors right after the answer is made. A
+channel this verifier cannot use (cannot reach the trainer's store, joined before by another
+process, NCCL on a CPU target, broken) is declined: that call is answered with the data as usual
+and ``channel_error`` says why. Malformed channel parameters are INVALID_ARGUMENT.
+
 Bad input never reaches the model: ids outside the vocabulary, a malformed tree, an anchor
 beyond its context or a context row outside it are INVALID_ARGUMENT; a request above the
 handler's size limits (tree nodes, context tokens, answer bytes) is RESOURCE_EXHAUSTED, with the
@@ -16,6 +23,7 @@ limit in the message so the caller can split it or ask for top-k.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from dataclasses import dataclass
@@ -25,10 +33,13 @@ import torch
 from torch import Tensor, nn
 
 from services.common.server import MAX_MESSAGE_BYTES, abort
+from services.common.tensor_channel import ChannelError, VerifierChannels, check_channel
 from services.common.wire import tensor_to_proto, tree_from_proto
-from specd._proto.v1 import verifier_pb2
+from specd._proto.v1 import common_pb2, verifier_pb2
 from specd.train.specopd import LocalScorer
 from specd.tree import TokenTree
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -43,28 +54,64 @@ class ScoreHandler:
 
     ``max_nodes`` and ``max_context_tokens`` bound one request's tree nodes and context tokens
     (summed over its sequences); ``max_response_bytes`` bounds the answer (at most the gRPC
-    message limit the services are configured with).
+    message limit the services are configured with, because a declined channel is answered over
+    gRPC). ``max_channels`` bounds the tensor channels kept joined; `close` leaves them all.
     """
 
     def __init__(self, target: nn.Module, lock: threading.Lock, *, max_nodes: int = 32768,
-                 max_context_tokens: int = 262144, max_response_bytes: int = MAX_MESSAGE_BYTES - (1 << 20)) -> None:
+                 max_context_tokens: int = 262144, max_response_bytes: int = MAX_MESSAGE_BYTES - (1 << 20),
+                 max_channels: int = 64) -> None:
         self.target = target
         self.lock = lock
         self.vocab_size: int = target.config.vocab_size
         self.max_nodes = max_nodes
         self.max_context_tokens = max_context_tokens
         self.max_response_bytes = max_response_bytes
+        self.channels = VerifierChannels(next(target.parameters()).device, max_channels)
 
     def __call__(self, request: verifier_pb2.ScoreRequest, context: grpc.ServicerContext) -> verifier_pb2.ScoreResponse:
         temperature = self._temperature(request, context)
         sequences = self._parse(request, context)
+        if not request.HasField("channel"):
+            return self._answer(sequences, temperature, request.top_k)
+        sequence = request.channel.sequence
+        try:
+            channel = self.channels.join(request.channel)
+        except ChannelError as error:
+            return self._decline(sequences, temperature, error)
+        with channel.lock:  # one call at a time per channel: its sends are queued in call order
+            try:
+                channel.begin(sequence)
+            except ChannelError as error:
+                self.channels.drop(channel)
+                return self._decline(sequences, temperature, error)
+            probs = self._score(sequences, temperature)  # each [rows, vocab] fp32, on the target's device
+            results = [verifier_pb2.ScoreResult(probs=common_pb2.Tensor(shape=list(p.shape), dtype=_dtype_name(p)),
+                                                on_channel=True) for p in probs]
+            response = verifier_pb2.ScoreResponse(results=results, channel_sequence=sequence)
+            channel.send(probs, sequence)
+        return response
+
+    def close(self) -> None:
+        """Leave every tensor channel (a verifier shutting down)."""
+        self.channels.close()
+
+    # ------------------------------------------------------------------ scoring
+    def _score(self, sequences: list[_Sequence], temperature: float) -> list[Tensor]:
         with self.lock:
-            probs = LocalScorer(self.target, temperature).score(
+            return LocalScorer(self.target, temperature).score(
                 [s.context for s in sequences], [s.tree for s in sequences], [s.rows for s in sequences]
             )
-        top_k = request.top_k
-        results = [self._result(p.cpu(), top_k) for p in probs]
-        return verifier_pb2.ScoreResponse(results=results)
+
+    def _answer(self, sequences: list[_Sequence], temperature: float, top_k: int,
+                channel_error: str = "") -> verifier_pb2.ScoreResponse:
+        results = [self._result(p.cpu(), top_k) for p in self._score(sequences, temperature)]
+        return verifier_pb2.ScoreResponse(results=results, channel_error=channel_error)
+
+    def _decline(self, sequences: list[_Sequence], temperature: float, error: ChannelError) -> verifier_pb2.ScoreResponse:
+        """Full distributions over gRPC, saying why the requested channel was not used."""
+        logger.warning("Score over gRPC instead of the requested tensor channel: %s", error)
+        return self._answer(sequences, temperature, 0, channel_error=str(error))
 
     # ------------------------------------------------------------------ checks
     def _temperature(self, request: verifier_pb2.ScoreRequest, context: grpc.ServicerContext) -> float:
@@ -81,6 +128,13 @@ class ScoreHandler:
             abort(context, invalid, "ScoreRequest has no sequences: send one ScoreSequence per proposal tree")
         if request.top_k > self.vocab_size:
             abort(context, invalid, f"top_k {request.top_k} exceeds the vocabulary ({self.vocab_size}); use 0 for full distributions")
+        if request.HasField("channel"):
+            problem = check_channel(request.channel)
+            if problem:
+                abort(context, invalid, f"{problem}; or send the request without a channel")
+            if request.top_k:
+                abort(context, invalid, "a tensor channel carries full distributions only: send top_k = 0 with a "
+                                        "channel, or no channel for top-k")
         num_nodes = sum(len(s.tree.tokens) for s in request.sequences)
         num_context = sum(len(s.context) for s in request.sequences)
         num_rows = num_nodes + sum(len(s.context_rows) for s in request.sequences)
@@ -133,3 +187,8 @@ class ScoreHandler:
             top_logprobs=tensor_to_proto(top.log()),
             rest_logprob=tensor_to_proto(rest.log()),
         )
+
+
+def _dtype_name(t: Tensor) -> str:
+    """The torch dtype name the wire uses (`services.common.wire`): "float32", ..."""
+    return str(t.dtype).removeprefix("torch.")

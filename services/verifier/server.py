@@ -213,8 +213,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     REGISTRY.register(EngineCollector(engine, drafters))
     stop_ids = tuple(getattr(target.config, "stop_token_ids", ()) or ())
-    verifier_pb2_grpc.add_VerifierServicer_to_server(
-        VerifierServicer(engine, ScoreHandler(target, engine.target_lock), stop_ids), grpc_server.server)
+    score = ScoreHandler(target, engine.target_lock)
+    verifier_pb2_grpc.add_VerifierServicer_to_server(VerifierServicer(engine, score, stop_ids), grpc_server.server)
     port = grpc_server.start(["specd.v1.Verifier"])
 
     http = None
@@ -236,6 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     if http is not None:
         http[0].should_exit = True
         http[1].join(timeout=config.drain_seconds)
+    score.close()  # the trainers' tensor channels
     if drafters is not None:
         drafters.close()
     if traces is not None:

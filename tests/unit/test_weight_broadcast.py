@@ -350,6 +350,8 @@ def test_a_member_that_never_joins_makes_the_drafters_pull_instead(models, redis
         registry = setup.drafter.metrics.registry
         assert setup.trainer.pulls == 1 and sample(registry, "specd:drafter_weight_pulls_total") == 1
         assert sample(registry, "specd:drafter_weight_broadcasts_total") == 0
-        assert sample(registry, "specd:drafter_weight_broadcast_failures_total", reason="transfer") == 1
+        # The drafter either joined and was called off, or (on a loaded machine) saw the
+        # announcement only after the trainer had given up: one failure or none, never a broadcast.
+        assert sample(registry, "specd:drafter_weight_broadcast_failures_total", reason="transfer") in (0.0, 1.0)
         assert sample(setup.trainer_metrics, "specd:trainer_weight_broadcast_failures_total") == 1
         assert client.get(ANNOUNCEMENT_KEY) is None

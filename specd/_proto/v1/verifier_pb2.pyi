@@ -43,14 +43,32 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., target_passes: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("sequences", "top_k", "temperature")
+    __slots__ = ("sequences", "top_k", "temperature", "channel")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[ScoreSequence]
     top_k: int
     temperature: float
-    def __init__(self, sequences: _Optional[_Iterable[_Union[ScoreSequence, _Mapping]]] = ..., top_k: _Optional[int] = ..., temperature: _Optional[float] = ...) -> None: ...
+    channel: TensorChannel
+    def __init__(self, sequences: _Optional[_Iterable[_Union[ScoreSequence, _Mapping]]] = ..., top_k: _Optional[int] = ..., temperature: _Optional[float] = ..., channel: _Optional[_Union[TensorChannel, _Mapping]] = ...) -> None: ...
+
+class TensorChannel(_message.Message):
+    __slots__ = ("master_addr", "master_port", "channel_id", "backend", "timeout_s", "sequence")
+    MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    master_addr: str
+    master_port: int
+    channel_id: str
+    backend: str
+    timeout_s: float
+    sequence: int
+    def __init__(self, master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., channel_id: _Optional[str] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class ScoreSequence(_message.Message):
     __slots__ = ("context", "tree", "context_rows")
@@ -63,19 +81,25 @@ class ScoreSequence(_message.Message):
     def __init__(self, context: _Optional[_Iterable[int]] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., context_rows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "channel_sequence", "channel_error")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_ERROR_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[ScoreResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[ScoreResult, _Mapping]]] = ...) -> None: ...
+    channel_sequence: int
+    channel_error: str
+    def __init__(self, results: _Optional[_Iterable[_Union[ScoreResult, _Mapping]]] = ..., channel_sequence: _Optional[int] = ..., channel_error: _Optional[str] = ...) -> None: ...
 
 class ScoreResult(_message.Message):
-    __slots__ = ("probs", "top_ids", "top_logprobs", "rest_logprob")
+    __slots__ = ("probs", "top_ids", "top_logprobs", "rest_logprob", "on_channel")
     PROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     REST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    ON_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     probs: _common_pb2.Tensor
     top_ids: _common_pb2.Tensor
     top_logprobs: _common_pb2.Tensor
     rest_logprob: _common_pb2.Tensor
-    def __init__(self, probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., top_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., rest_logprob: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    on_channel: bool
+    def __init__(self, probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., top_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., rest_logprob: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., on_channel: _Optional[bool] = ...) -> None: ...
