@@ -66,9 +66,6 @@ class Delta:
     """On the last delta: the drafter weight version that drafted for it last ("" without one)."""
 
 
-_END = object()
-
-
 class RequestStream:
     """The deltas of one request, in order; iterable from a thread or from asyncio."""
 
@@ -94,13 +91,9 @@ class RequestStream:
 
     def __iter__(self) -> Iterator[Delta]:
         while True:
-            item = self._items.get()
-            if item is _END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if item.finish_reason is not None:
+            delta = _unwrap(self._items.get())
+            yield delta
+            if delta.finish_reason is not None:
                 return
 
     async def __aiter__(self) -> AsyncIterator[Delta]:
@@ -111,14 +104,17 @@ class RequestStream:
                 while not self._items.empty():
                     self._async_items.put_nowait(self._items.get())
         while True:
-            item = await self._async_items.get()
-            if item is _END:
+            delta = _unwrap(await self._async_items.get())
+            yield delta
+            if delta.finish_reason is not None:
                 return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if item.finish_reason is not None:
-                return
+
+
+def _unwrap(item: Delta | BaseException) -> Delta:
+    """A queued delta, or the engine's failure raised in the consumer."""
+    if isinstance(item, BaseException):
+        raise item
+    return item
 
 
 @dataclass(kw_only=True, slots=True)
