@@ -13,7 +13,9 @@ A table, JSON and PNG plots. ``--quick`` runs fewer levels and requests (minutes
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -81,6 +83,10 @@ class ServeRow:
     drafter_round_trips: int = 0
     transport_ms: float = 0.0
     """Mean time of a drafter round trip spent outside the replica (gRPC, loopback), measured."""
+    step_overhead_ms: float = 0.0
+    """Verifier loop time per step outside target passes and blocking drafter calls, measured."""
+    drafter_server_ms: float = 0.0
+    """Mean time a replica spent on one round trip (its pass, parsing, queueing), measured."""
     drafter_cores: int = 0
     """Distinct CPU cores the drafters were pinned to (0: not pinned): 2:1 on a 2-core machine is
     two drafter processes on one core."""
@@ -147,7 +153,7 @@ def bench_serve(settings: ServeSettings, target: str, drafter: str) -> list[Serv
                              drafters=deployment.drafters, verifiers=1, trainer=False, mode=deployment.mode,
                              block_size=settings.block_size, max_num_seqs=settings.max_num_seqs, pin=settings.pin,
                              verifier_http_port=18000, verifier_grpc_port=51051, drafter_port=51052)
-        with Stack(config) as stack:
+        with Stack(config) as stack, _clients_off_verifier_cores(stack):
             base = stack.verifiers[0].http
             _warm_up(base, model, pool, deployment.speculative)
             for concurrency in settings.concurrency:
@@ -166,6 +172,22 @@ def bench_serve(settings: ServeSettings, target: str, drafter: str) -> list[Serv
         if plain.get(row.concurrency):
             row.speedup = row.tokens_per_s / plain[row.concurrency]
     return rows
+
+
+@contextlib.contextmanager
+def _clients_off_verifier_cores(stack: Stack):
+    """The load generator (this process's client threads) stays off the verifiers' cores where
+    there are others: the client's work would otherwise slow the very passes being measured."""
+    cores = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set()
+    others = cores - {v.core for v in stack.verifiers if v.core is not None}
+    if not others or others == cores:
+        yield
+        return
+    os.sched_setaffinity(0, others)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, cores)
 
 
 def _warm_up(base: str, model: str, pool: list[list[int]], speculative: bool, timeout: float = 60.0) -> None:
@@ -192,6 +214,7 @@ def _row(deployment: Deployment, concurrency: int, results: list, seconds: float
     drafts = delta("specd:spec_decode_num_drafts_total")
     lookups = delta("specd:spec_decode_num_candidate_lookups_total")
     round_trips = delta("specd:drafter_pool_events_total{event=round_trips}")
+    steps = delta("specd:num_target_passes_total")
     return ServeRow(
         deployment=deployment.name, concurrency=concurrency, requests=len(results), output_tokens=tokens,
         seconds=seconds, tokens_per_s=tokens / seconds if seconds else 0.0,
@@ -203,6 +226,9 @@ def _row(deployment: Deployment, concurrency: int, results: list, seconds: float
         target_passes=int(delta("specd:num_target_passes_total")), errors=errors,
         drafter_round_trips=int(round_trips),
         transport_ms=1e3 * delta("specd:drafter_transport_seconds_total") / round_trips if round_trips else 0.0,
+        drafter_server_ms=1e3 * delta("specd:drafter_server_seconds_total") / round_trips if round_trips else 0.0,
+        step_overhead_ms=1e3 * (delta("specd:engine_seconds_total{part=step}") - delta("specd:engine_seconds_total{part=target}")
+                                - delta("specd:engine_seconds_total{part=drafter_blocking}")) / steps if steps else 0.0,
     )
 
 

@@ -227,9 +227,11 @@ class ServingEngine:
                 self._drop_cancelled()
                 if not self._running:
                     continue
+                start = time.perf_counter()
                 with self.target_lock:
                     self.engine.step(self._running)
                 self._publish()
+                self.engine.stats.seconds_total += time.perf_counter() - start  # busy time
         except BaseException as err:  # a bug in a step: fail every open stream loudly, never hang them
             for pending, _ in self._streams.values():
                 pending.stream._put(RuntimeError(f"the engine stopped: {err!r}"))

@@ -72,6 +72,8 @@ class PoolStats:
     """Parts of a call moved to another replica after their replica failed."""
     num_resends: int = 0
     """Sequences sent again in full because a replica asked (``resend``)."""
+    server_seconds: float = 0.0
+    """Time the replicas reported spending on the round trips (their passes, queueing included)."""
     transport_seconds: float = 0.0
     """Round trips' time outside the replica (the call's time minus the replica's
     ``server_seconds``): serialisation, the network, gRPC's threads; / num_round_trips = mean."""
@@ -336,6 +338,7 @@ class RemoteDrafters:
         resend = set(response.resend)
         with self._lock:
             self.stats.num_round_trips += 1
+            self.stats.server_seconds += response.server_seconds
             self.stats.transport_seconds += max(0.0, seconds - response.server_seconds)
             self.version = response.drafter_version or self.version
             for request in sent:

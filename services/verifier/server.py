@@ -143,6 +143,12 @@ class EngineCollector:
              "Drafter round trips the target pass waited for (the critical path)"),
         ):
             yield CounterMetricFamily(f"specd:{name}", help_text, value=value)
+        seconds = CounterMetricFamily("specd:engine_seconds", "Serving loop busy time by part (step = all of it)",
+                                      labels=["part"])
+        for part, value in (("step", stats.seconds_total), ("target", stats.seconds_target),
+                            ("drafter_blocking", stats.seconds_drafter_blocking)):
+            seconds.add_metric([part], value)
+        yield seconds
         per_pos = CounterMetricFamily("specd:spec_decode_num_accepted_tokens_per_pos",
                                       "Drafted tokens accepted at each block position", labels=["position"])
         for position, value in enumerate(stats.num_accepted_tokens_per_pos):
@@ -159,6 +165,9 @@ class EngineCollector:
             yield CounterMetricFamily("specd:drafter_transport_seconds",
                                       "Drafter round trips' time outside the replica (gRPC, network)",
                                       value=stats.pop("transport_seconds"))
+            yield CounterMetricFamily("specd:drafter_server_seconds",
+                                      "Drafter round trips' time inside the replica (as it reports it)",
+                                      value=stats.pop("server_seconds"))
             pool = CounterMetricFamily("specd:drafter_pool_events", "Drafter pool events", labels=["event"])
             for event, value in stats.items():
                 pool.add_metric([event.removeprefix("num_")], value)
