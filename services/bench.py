@@ -21,12 +21,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
+import grpc
 from matplotlib.figure import Figure
 from tqdm import tqdm
 
-from services.client import metrics, stream_completion
+from services.client import Completion, grpc_completion, metrics, stream_completion
+from services.common.config import ServiceConfig
+from services.common.server import open_channel
 from services.up import Stack, StackConfig
+from specd._proto.v1 import verifier_pb2_grpc
 
 
 @dataclass(kw_only=True)
@@ -58,6 +63,8 @@ class ServeSettings:
     block_size: int = 8
     max_num_seqs: int = 64
     pin: bool = True
+    client: str = "http"
+    """"http": streaming OpenAI completions; "grpc": the verifier's Generate stream."""
     deployments: tuple[str, ...] = tuple(d.name for d in DEPLOYMENTS)
 
     def requests(self, concurrency: int) -> int:
@@ -113,8 +120,8 @@ def prompts(max_prompt_tokens: int = 96) -> list[list[int]]:
     return [p for group in zip(*per_domain) for p in group]
 
 
-def run_level(base_url: str, model: str, pool: list[list[int]], concurrency: int, requests: int,
-              max_tokens: int) -> tuple[list, float, list[str]]:
+def run_level(send: Callable[[list[int], int], Completion], pool: list[list[int]], concurrency: int,
+              requests: int, max_tokens: int) -> tuple[list, float, list[str]]:
     """A closed loop of ``concurrency`` clients sending ``requests`` requests in all."""
     results, errors = [], []
     lock = threading.Lock()
@@ -126,12 +133,11 @@ def run_level(base_url: str, model: str, pool: list[list[int]], concurrency: int
                 i = next(next_index, None)
             if i is None:
                 return
-            body = {"model": model, "prompt": pool[i % len(pool)], "max_tokens": max_tokens, "temperature": 0}
             try:
-                result = stream_completion(base_url, "/v1/completions", body)
+                result = send(pool[i % len(pool)], max_tokens)
                 with lock:
                     results.append(result)
-            except OSError as err:
+            except (OSError, grpc.RpcError) as err:
                 with lock:
                     errors.append(str(err))
 
@@ -155,11 +161,12 @@ def bench_serve(settings: ServeSettings, target: str, drafter: str) -> list[Serv
                              verifier_http_port=18000, verifier_grpc_port=51051, drafter_port=51052)
         with Stack(config) as stack, _clients_off_verifier_cores(stack):
             base = stack.verifiers[0].http
-            _warm_up(base, model, pool, deployment.speculative)
+            send = _sender(settings.client, stack, model)
+            _warm_up(send, base, pool, deployment.speculative)
             for concurrency in settings.concurrency:
                 progress.set_postfix_str(f"{deployment.name} c={concurrency}")
                 before = metrics(base)
-                results, seconds, errors = run_level(base, model, pool, concurrency,
+                results, seconds, errors = run_level(send, pool, concurrency,
                                                      settings.requests(concurrency), settings.max_tokens)
                 after = metrics(base)
                 row = _row(deployment, concurrency, results, seconds, errors, before, after)
@@ -190,12 +197,22 @@ def _clients_off_verifier_cores(stack: Stack):
         os.sched_setaffinity(0, cores)
 
 
-def _warm_up(base: str, model: str, pool: list[list[int]], speculative: bool, timeout: float = 60.0) -> None:
+def _sender(client: str, stack: Stack, model: str) -> Callable[[list[int], int], Completion]:
+    """One streaming greedy request through the chosen API: the OpenAI HTTP API or gRPC Generate."""
+    if client == "grpc":
+        stub = verifier_pb2_grpc.VerifierStub(open_channel(stack.verifiers[0].grpc, ServiceConfig()))
+        return lambda prompt, max_tokens: grpc_completion(stub, prompt, max_tokens)
+    base = stack.verifiers[0].http
+    return lambda prompt, max_tokens: stream_completion(
+        base, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+
+
+def _warm_up(send, base: str, pool: list[list[int]], speculative: bool, timeout: float = 60.0) -> None:
     """First passes allocate and fill caches; a speculative verifier must also be drafting (its
     drafters may have come up after it, and it decodes plain until it sees them)."""
     deadline = time.monotonic() + timeout
     while True:
-        run_level(base, model, pool, 1, 2, 8)
+        run_level(send, pool, 1, 2, 8)
         if not speculative or metrics(base).get("specd:spec_decode_num_draft_tokens_total", 0) > 0:
             return
         if time.monotonic() > deadline:
@@ -275,6 +292,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--target", default="", help="target directory (default: the zoo's qwen3-tiny)")
     parser.add_argument("--drafter", default="", help="drafter directory (default: the zoo's d3d-qwen3-tiny)")
     parser.add_argument("--no-pin", action="store_true", help="do not pin services to cores")
+    parser.add_argument("--client", choices=["http", "grpc"], default="http",
+                        help="drive the verifier's OpenAI HTTP API (default) or its gRPC Generate stream")
     parser.add_argument("--out", default="out/bench", help="directory for plots and JSON")
     parser.add_argument("--json", default=None, help="JSON path (default OUT/serve.json)")
 
@@ -282,7 +301,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from services.up import _zoo_model
 
-    settings = ServeSettings(pin=not args.no_pin, max_tokens=args.max_tokens)
+    settings = ServeSettings(pin=not args.no_pin, max_tokens=args.max_tokens, client=args.client)
     if args.quick:
         settings.concurrency, settings.requests_per_level = (1, 4, 16), 16
     if args.concurrency:

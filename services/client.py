@@ -62,6 +62,26 @@ def stream_completion(base_url: str, path: str, body: dict, *, token: str = "", 
     return result
 
 
+def grpc_completion(stub, prompt: list[int], max_tokens: int, *, timeout: float = 600.0) -> Completion:
+    """The same measurement over the verifier's gRPC ``Generate`` stream (greedy)."""
+    from specd._proto.v1 import common_pb2, verifier_pb2
+
+    result = Completion()
+    start = time.perf_counter()
+    request = verifier_pb2.GenerateRequest(prompt_token_ids=prompt, params=common_pb2.SamplingParams(max_tokens=max_tokens))
+    for message in stub.Generate(request, timeout=timeout):
+        now = time.perf_counter() - start
+        if message.token_ids:
+            result.ttft = now if result.ttft is None else result.ttft
+            result.chunk_times.append(now)
+            result.completion_tokens += len(message.token_ids)
+        if message.finish_reason:
+            result.finish_reason = message.finish_reason
+            result.prompt_tokens = message.usage.prompt_tokens
+    result.seconds = time.perf_counter() - start
+    return result
+
+
 def _events(response) -> Iterator[dict]:
     for raw in response:
         line = raw.decode().strip()

@@ -189,7 +189,9 @@ def main(argv: list[str] | None = None) -> None:
     if config.threads:
         torch.set_num_threads(config.threads)
     setup_tracing("specd-verifier", config.otlp_endpoint)
-    grpc_server = GrpcServer("verifier", config)
+    # Every open Generate stream holds a server thread until it ends (queued requests too): room
+    # for many more than the engine's rows, or streams would wait for a thread before the queue.
+    grpc_server = GrpcServer("verifier", config, max_workers=max(256, 4 * config.max_num_seqs))
     try:
         target = load_model(config.model, device=config.device)
         tokenizer = load_tokenizer(config.tokenizer or config.model)
