@@ -162,7 +162,8 @@ def bench_serve(settings: ServeSettings, target: str, drafter: str) -> list[Serv
         with Stack(config) as stack, _clients_off_verifier_cores(stack):
             base = stack.verifiers[0].http
             send = _sender(settings.client, stack, model)
-            _warm_up(send, base, pool, deployment.speculative)
+            stack.wait_drafting()
+            run_level(send, pool, 1, 2, 8)  # warm up: first passes allocate and fill caches
             for concurrency in settings.concurrency:
                 progress.set_postfix_str(f"{deployment.name} c={concurrency}")
                 before = metrics(base)
@@ -205,18 +206,6 @@ def _sender(client: str, stack: Stack, model: str) -> Callable[[list[int], int],
     base = stack.verifiers[0].http
     return lambda prompt, max_tokens: stream_completion(
         base, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
-
-
-def _warm_up(send, base: str, pool: list[list[int]], speculative: bool, timeout: float = 60.0) -> None:
-    """First passes allocate and fill caches; a speculative verifier must also be drafting (its
-    drafters may have come up after it, and it decodes plain until it sees them)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        run_level(send, pool, 1, 2, 8)
-        if not speculative or metrics(base).get("specd:spec_decode_num_draft_tokens_total", 0) > 0:
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the verifier at {base} never drafted during warm-up: see the drafters' logs")
 
 
 def _row(deployment: Deployment, concurrency: int, results: list, seconds: float, errors: list[str],

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.config import ServiceConfig
-from services.common.server import wait_healthy
+from services.common.server import open_channel, wait_healthy
 
 
 def free_port() -> int:
@@ -247,6 +247,31 @@ class Stack:
                 rows.append((s.name, "  ".join(x for x in (f"grpc {s.grpc}" if s.grpc else "",
                                                            f"http {s.http}/v1" if s.http else "") if x)))
         return rows
+
+    def wait_drafting(self, timeout: float = 60.0) -> None:
+        """Send tiny requests until every verifier has drafted: a verifier that came up before its
+        drafters decodes plain until its pool has checked them (a few seconds)."""
+        from services.client import metrics
+        from specd._proto.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+
+        if not self.drafters:
+            return
+        client = ServiceConfig(auth_token=self.config.auth_token)
+        deadline = time.monotonic() + timeout
+        for verifier in self.verifiers:
+            channel = open_channel(verifier.grpc, client)
+            stub = verifier_pb2_grpc.VerifierStub(channel)
+            request = verifier_pb2.GenerateRequest(prompt_token_ids=[1, 1, 1],
+                                                   params=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True))
+            try:
+                while metrics(verifier.http).get("specd:spec_decode_num_draft_tokens_total", 0) == 0:
+                    if time.monotonic() > deadline:
+                        raise StackError(f"{verifier.name} never drafted: see the drafters' logs {_tail(verifier.log)}")
+                    for _ in stub.Generate(request, timeout=30):
+                        pass
+                    time.sleep(0.2)
+            finally:
+                channel.close()
 
     def kill(self, name: str) -> None:
         """For fault tests: SIGKILL one service."""

@@ -86,6 +86,7 @@ def generate(stub, prompt, max_tokens, *, metadata=(("authorization", f"Bearer {
 @pytest.fixture(scope="module")
 def stack(models):
     with Stack(stack_config(models, drafters=2)) as running:
+        running.wait_drafting()
         yield running
 
 
@@ -165,6 +166,7 @@ def test_drafter_killed_and_redis_stopped_mid_run(models):
     batch = prompts(32, models[0].config.vocab_size)
     want = expected(models, batch, 24)
     with Stack(stack_config(models, drafters=2, max_num_seqs=16)) as stack:
+        stack.wait_drafting()  # the kill must hit drafters in use
         channel = open_channel(stack.verifiers[0].grpc, ServiceConfig())
         stub = verifier_pb2_grpc.VerifierStub(channel)
         started = [threading.Event() for _ in batch]
