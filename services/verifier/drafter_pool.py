@@ -70,6 +70,8 @@ class PoolStats:
     """Draft calls and Speculate messages answered."""
     num_failovers: int = 0
     """Parts of a call moved to another replica after their replica failed."""
+    num_replica_failures: int = 0
+    """Times a replica was found dead or failing (any call) and taken out of use for a while."""
     num_resends: int = 0
     """Sequences sent again in full because a replica asked (``resend``)."""
     server_seconds: float = 0.0
@@ -491,6 +493,7 @@ class RemoteDrafters:
         """Out of use for ``retry_seconds``; its sequences move (with full contexts) on next use."""
         logger.warning("drafter replica %s is down for %.1fs: %s", replica.address, self.retry_seconds, why)
         with self._lock:
+            self.stats.num_replica_failures += 1
             replica.dead_until = time.monotonic() + self.retry_seconds
             replica.checked = False  # Info again before its next use
             self._unplace(replica)
