@@ -355,72 +355,67 @@ class RemoteDrafters:
 
     # ------------------------------------------------------------------ parts
     def _draft_part(self, replica: _Replica, part: list[int], requests: Sequence[DraftRequest]) -> dict[int, DraftBlock]:
-        results: dict[int, DraftBlock] = {}
-        pending = {requests[i].seq_id: i for i in part}
-        full = False
+        def send(batch: list[DraftRequest]) -> tuple[drafter_pb2.DraftResponse, list]:
+            message = drafter_pb2.DraftRequest(items=[
+                drafter_pb2.DraftItem(context=self._context(replica, r), block_size=r.block_size) for r in batch
+            ])
+            try:
+                response = replica.connect().Draft(message, timeout=self.timeout)
+            except grpc.RpcError as err:
+                raise _verdict(replica, err) from err
+            return response, list(response.blocks)
+
         with replica.lock:
-            stub = replica.connect()
-            while pending:
-                batch = [requests[i] for i in pending.values()]
-                message = drafter_pb2.DraftRequest(items=[
-                    drafter_pb2.DraftItem(context=self._context(replica, r), block_size=r.block_size) for r in batch
-                ])
-                sent_at = time.perf_counter()
-                try:
-                    response = stub.Draft(message, timeout=self.timeout)
-                except grpc.RpcError as err:
-                    raise _verdict(replica, err) from err
-                if len(response.blocks) != len(batch):
-                    raise _ReplicaFailed(f"{replica.address}: {len(response.blocks)} blocks for {len(batch)} items")
-                again = self._answered(replica, batch, response, time.perf_counter() - sent_at)
-                resent = {r.seq_id for r in again}
-                for request, block in zip(batch, response.blocks):
-                    if request.seq_id not in resent:
-                        results[pending[request.seq_id]] = _block(replica, block)
-                if again and full:
-                    raise _ReplicaFailed(f"{replica.address}: asked to resend contexts that were sent in full")
-                pending = {r.seq_id: pending[r.seq_id] for r in again}
-                full = True  # _answered reset `sent`, so a follow-up carries whole contexts
-        return results
+            return self._exchange(replica, part, requests, send, lambda request, block: _block(replica, block))
 
     def _speculate_part(
         self, replica: _Replica, part: list[int], requests: Sequence[SpeculateRequest]
     ) -> dict[int, dict[Outcome, DraftBlock]]:
-        results: dict[int, dict[Outcome, DraftBlock]] = {}
-        pending = {requests[i].seq_id: i for i in part}
-        full = False
+        def send(batch: list[SpeculateRequest]) -> tuple[drafter_pb2.SpeculateResponse, list]:
+            message = drafter_pb2.SpeculateRequest(step=next(self._steps), items=[
+                drafter_pb2.SpeculateItem(
+                    context=self._context(replica, r), block=r.block, block_size=r.block_size, budget=r.budget
+                )
+                for r in batch
+            ])
+            if replica.stream is None:
+                replica.stream = _SpeculateStream(replica.connect(), replica.address)
+            response = replica.stream.exchange(message, self.timeout)
+            return response, list(response.sequences)
+
         with replica.lock:
-            stub = replica.connect()
             try:
-                while pending:
-                    batch = [requests[i] for i in pending.values()]
-                    message = drafter_pb2.SpeculateRequest(step=next(self._steps), items=[
-                        drafter_pb2.SpeculateItem(
-                            context=self._context(replica, r), block=r.block, block_size=r.block_size, budget=r.budget
-                        )
-                        for r in batch
-                    ])
-                    if replica.stream is None:
-                        replica.stream = _SpeculateStream(stub, replica.address)
-                    sent_at = time.perf_counter()
-                    response = replica.stream.exchange(message, self.timeout)
-                    if len(response.sequences) != len(batch):
-                        raise _ReplicaFailed(f"{replica.address}: {len(response.sequences)} answers for {len(batch)} items")
-                    again = self._answered(replica, batch, response, time.perf_counter() - sent_at)
-                    resent = {r.seq_id for r in again}
-                    for request, sequence in zip(batch, response.sequences):
-                        if request.seq_id not in resent:
-                            results[pending[request.seq_id]] = self._candidates(replica, request, sequence)
-                    if again and full:
-                        raise _ReplicaFailed(f"{replica.address}: asked to resend contexts that were sent in full")
-                    pending = {r.seq_id: pending[r.seq_id] for r in again}
-                    full = True
+                return self._exchange(replica, part, requests, send,
+                                      lambda request, sequence: self._candidates(replica, request, sequence))
             except grpc.RpcError as err:
                 self._drop_stream(replica)
                 raise _verdict(replica, err) from err
             except (_ReplicaFailed, ValueError):
                 self._drop_stream(replica)
                 raise
+
+    def _exchange(self, replica: _Replica, part: list[int], requests: Sequence, send, convert) -> dict:
+        """Send ``part`` of ``requests`` (under the replica's lock) until the replica holds every
+        context: what it asks for in ``resend`` goes again, whole; a second ask is a failure.
+        ``send(batch) -> (response, answers)`` with one answer per request, ``convert`` maps one."""
+        results = {}
+        pending = {requests[i].seq_id: i for i in part}
+        full = False
+        while pending:
+            batch = [requests[i] for i in pending.values()]
+            sent_at = time.perf_counter()
+            response, answers = send(batch)
+            if len(answers) != len(batch):
+                raise _ReplicaFailed(f"{replica.address}: {len(answers)} answers for {len(batch)} items")
+            again = self._answered(replica, batch, response, time.perf_counter() - sent_at)
+            resent = {r.seq_id for r in again}
+            for request, answer in zip(batch, answers):
+                if request.seq_id not in resent:
+                    results[pending[request.seq_id]] = convert(request, answer)
+            if again and full:
+                raise _ReplicaFailed(f"{replica.address}: asked to resend contexts that were sent in full")
+            pending = {r.seq_id: pending[r.seq_id] for r in again}
+            full = True  # _answered reset `sent`, so a follow-up carries whole contexts
         return results
 
     def _candidates(

@@ -247,12 +247,16 @@ def test_a_specopd_step_with_the_remote_scorer_equals_the_local_step(target, dra
     scorer = remote(verifier, stop_token_ids=target.config.stop_token_ids)
     distant = SpecOPDTrainer(scorer, copy.deepcopy(drafter), config)
     assert distant.target is None
+    assert_same_training(local, distant)
+    scorer.close()
+
+
+def assert_same_training(local: SpecOPDTrainer, distant: SpecOPDTrainer) -> None:
+    """Two SpecOPD steps on one batch: the same supervised tokens, losses and drafter weights."""
     batch = trajectories(3, seed=1)
     for _ in range(2):
         a, b = local.step(batch), distant.step(batch)
-        print(f"loss local {a.loss:.8f} remote {b.loss:.8f}")
         assert a.num_supervised_tokens == b.num_supervised_tokens > 0
-        assert abs(a.loss - b.loss) <= 1e-6
+        assert abs(a.loss - b.loss) <= 1e-6, (a.loss, b.loss)
     for (name, x), y in zip(local.drafter.state_dict().items(), distant.drafter.state_dict().values()):
         assert torch.allclose(x, y, atol=1e-6, rtol=0), name
-    scorer.close()

@@ -14,7 +14,7 @@ import threading
 import grpc
 import pytest
 import torch
-from test_score_service import VOCAB, ScoreOnly, proposal_trees, trajectories
+from test_score_service import VOCAB, ScoreOnly, assert_same_training, proposal_trees
 
 from services.common.config import ServiceConfig
 from services.common.server import GrpcServer, open_channel
@@ -125,15 +125,8 @@ def test_a_specopd_step_over_the_channel_equals_the_local_step(target, drafter, 
     local = SpecOPDTrainer(target, copy.deepcopy(drafter), config)
     scorer = tensor_scorer(verifier.address, stop_token_ids=target.config.stop_token_ids)
     distant = SpecOPDTrainer(scorer, copy.deepcopy(drafter), config)
-    batch = trajectories(3, seed=1)
     try:
-        for _ in range(2):
-            a, b = local.step(batch), distant.step(batch)
-            print(f"loss local {a.loss:.8f} channel {b.loss:.8f}")
-            assert a.num_supervised_tokens == b.num_supervised_tokens > 0
-            assert abs(a.loss - b.loss) <= 1e-6
-        for (name, x), y in zip(local.drafter.state_dict().items(), distant.drafter.state_dict().values()):
-            assert torch.allclose(x, y, atol=1e-6, rtol=0), name
+        assert_same_training(local, distant)
         assert scorer.counters.on_channel == 2 and scorer.counters.fallbacks == 0
     finally:
         scorer.close()
