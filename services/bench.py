@@ -92,6 +92,8 @@ class ServeRow:
     """Mean time of a drafter round trip spent outside the replica (gRPC, loopback), measured."""
     step_overhead_ms: float = 0.0
     """Verifier loop time per step outside target passes and blocking drafter calls, measured."""
+    target_ms: float = 0.0
+    """Mean seconds of one target pass in the verifier, measured (ms)."""
     drafter_server_ms: float = 0.0
     """Mean time a replica spent on one round trip (its pass, parsing, queueing), measured."""
     drafter_cores: int = 0
@@ -233,6 +235,7 @@ def _row(deployment: Deployment, concurrency: int, results: list, seconds: float
         drafter_round_trips=int(round_trips),
         transport_ms=1e3 * delta("specd:drafter_transport_seconds_total") / round_trips if round_trips else 0.0,
         drafter_server_ms=1e3 * delta("specd:drafter_server_seconds_total") / round_trips if round_trips else 0.0,
+        target_ms=1e3 * delta("specd:engine_seconds_total{part=target}") / steps if steps else 0.0,
         step_overhead_ms=1e3 * (delta("specd:engine_seconds_total{part=step}") - delta("specd:engine_seconds_total{part=target}")
                                 - delta("specd:engine_seconds_total{part=drafter_blocking}")) / steps if steps else 0.0,
     )

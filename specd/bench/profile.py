@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ from tqdm import tqdm
 from specd import zoo
 from specd.batch import ForwardBatch
 from specd.data import load_tokenizer
-from specd.drafters.base import DraftRequest, SpeculateRequest
+from specd.drafters.base import Drafter, DraftRequest, SpeculateRequest
 from specd.drafters.d3d import D3DDrafter
 from specd.engine import EngineConfig, SpeculativeEngine
 from specd.models.loading import load_model
@@ -66,16 +67,17 @@ DRAFT_TAILS = (2, 64, 128)
 
 
 # ====================================================================== measuring
-def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
-    """The fastest of ``repeats`` timed calls after a warm-up: on a shared machine the slow ones
-    measure the neighbours, and a cost table with their spikes interpolates nonsense."""
+def _typical_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """The median of ``repeats`` timed calls after a warm-up: what a pass typically costs (the
+    simulator predicts throughput, which pays for typical passes, not the luckiest one), and,
+    unlike a mean, not dragged by one spike from a neighbour on a shared machine."""
     fn()  # warm-up: first calls allocate
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return statistics.median(times)
 
 
 def _target_pass(model: nn.Module, cache, new: list[list[int]], context: int, lengths: torch.Tensor) -> None:
@@ -102,7 +104,7 @@ def measure_target(model: nn.Module, batches: tuple[int, ...], tokens: tuple[int
         row = []
         for count in tokens:
             new = torch.randint(4, vocab, (batch, count), generator=generator).tolist()
-            row.append(_best_seconds(partial(_target_pass, model, cache, new, context, lengths), repeats))
+            row.append(_typical_seconds(partial(_target_pass, model, cache, new, context, lengths), repeats))
             _progress(progress, f"target batch {batch} tokens {count}")
         seconds.append(row)
     return CostTable(batch=list(batches), tokens=list(tokens), seconds=seconds)
@@ -112,13 +114,18 @@ def measure_target(model: nn.Module, batches: tuple[int, ...], tokens: tuple[int
 def measure_drafter(model: nn.Module, batches: tuple[int, ...], *, block_size: int = 8,
                     speculate_blocks: tuple[int, ...] = (8,), budgets: tuple[int, ...] = DRAFTER_BUDGETS,
                     tails: tuple[int, ...] = DRAFT_TAILS, context: int = 128, repeats: int = 3,
-                    progress: tqdm | None = None) -> tuple[CostTable, CostTable, list[dict]]:
+                    progress: tqdm | None = None,
+                    make_drafter: Callable[[int], Drafter] | None = None) -> tuple[CostTable, CostTable, list[dict]]:
     """D3D packed-pass seconds per (batch, tokens per sequence), from real `D3DDrafter` calls.
 
     Draft table: a fresh block of ``block_size`` after ``tail`` context tokens the drafter has
     not seen (2: a miss; longer: a new sequence's prompt), ``tail + g`` tokens. Speculate table:
     the block under verification and ``c`` outcomes, ``B + c * (1 + g_B)`` tokens, for each block
-    in ``speculate_blocks`` and budget in ``budgets``. Returns both and what each column was."""
+    in ``speculate_blocks`` and budget in ``budgets``. Returns both and what each column was.
+
+    ``make_drafter(batch)`` gives the drafter to time (default: an in-process `D3DDrafter` with
+    ``batch`` rows); `services.calibrate` passes the verifier's client of a drafter replica, so
+    the tables hold whole round trips."""
     group = model.config.group_size_for(block_size)
     drafts = [{"call": "draft", "block": block_size, "tail": tail, "tokens": tail + group} for tail in sorted(set(tails))]
     by_tokens: dict[int, dict] = {}
@@ -131,8 +138,9 @@ def measure_drafter(model: nn.Module, batches: tuple[int, ...], *, block_size: i
     generator = torch.Generator().manual_seed(1)
     params = SamplingParams(max_tokens=1 << 20)
     draft_seconds, speculate_seconds = [], []
+    make_drafter = make_drafter or (lambda batch: D3DDrafter(model, max_num_seqs=batch))
     for batch in batches:
-        drafter = D3DDrafter(model, max_num_seqs=batch)
+        drafter = make_drafter(batch)
         contexts = {i: torch.randint(4, vocab, (context,), generator=generator).tolist() for i in range(batch)}
         draft = partial(_draft, block_size=block_size, params=params)
         draft(drafter, contexts)  # the drafter holds every context, as in serving
@@ -147,8 +155,10 @@ def measure_drafter(model: nn.Module, batches: tuple[int, ...], *, block_size: i
                 fn = partial(_miss, drafter, draft, contexts, vocab, generator, call["tail"])
             else:  # new sequences: the prompt's prefill and a block
                 fn = partial(_new_sequences, drafter, draft, contexts, call["tail"])
-            draft_row.append(_best_seconds(fn, repeats))
+            draft_row.append(_typical_seconds(fn, repeats))
             _progress(progress, f"drafter batch {batch} draft tail {call['tail']}")
+        for i in contexts:
+            drafter.release(i)
         draft_seconds.append(draft_row)
         speculate_seconds.append(speculate_row)
     draft_table = CostTable(batch=list(batches), tokens=[c["tokens"] for c in drafts], seconds=draft_seconds)
@@ -162,27 +172,27 @@ def _progress(progress: tqdm | None, what: str) -> None:
         progress.update()
 
 
-def _draft(drafter: D3DDrafter, contexts: dict[int, list[int]], prompt: int | None = None, *, block_size: int,
+def _draft(drafter: Drafter, contexts: dict[int, list[int]], prompt: int | None = None, *, block_size: int,
            params: SamplingParams) -> dict[int, list[int]]:
     requests = [DraftRequest(seq_id=i, context=c if prompt is None else c[-prompt:], block_size=block_size,
                              params=params) for i, c in contexts.items()]
     return {r.seq_id: b.tokens for r, b in zip(requests, drafter.draft(requests))}
 
 
-def _miss(drafter: D3DDrafter, draft: Callable, contexts: dict[int, list[int]], vocab: int,
+def _miss(drafter: Drafter, draft: Callable, contexts: dict[int, list[int]], vocab: int,
           generator: torch.Generator, tail: int) -> None:
     for i in contexts:
         contexts[i] += torch.randint(4, vocab, (tail,), generator=generator).tolist()
     draft(drafter, contexts)
 
 
-def _new_sequences(drafter: D3DDrafter, draft: Callable, contexts: dict[int, list[int]], prompt: int) -> None:
-    for i in list(drafter.seqs):
+def _new_sequences(drafter: Drafter, draft: Callable, contexts: dict[int, list[int]], prompt: int) -> None:
+    for i in contexts:
         drafter.release(i)
     draft(drafter, contexts, prompt)
 
 
-def _speculate_seconds(drafter: D3DDrafter, draft: Callable, contexts: dict[int, list[int]], block_size: int,
+def _speculate_seconds(drafter: Drafter, draft: Callable, contexts: dict[int, list[int]], block_size: int,
                        budget: int, params: SamplingParams, repeats: int) -> float:
     """Speculate alone, in the steady async state: the drafter has just synced the context (a hit,
     or the Draft after a miss) and drafts ahead for the block under verification. Each repeat
@@ -196,7 +206,7 @@ def _speculate_seconds(drafter: D3DDrafter, draft: Callable, contexts: dict[int,
         drafter.speculate(requests)
         if attempt:  # the first is a warm-up
             times.append(time.perf_counter() - start)
-    return min(times)
+    return statistics.median(times)
 
 
 @torch.no_grad()
@@ -332,6 +342,43 @@ def measure_profile(target: nn.Module, drafter_model: nn.Module, prompts: list[l
     }
 
 
+def measure_services(profile: dict, settings: ProfileSettings, target_dir: str, drafter_dir: str,
+                     drafter_model: nn.Module, prompts: list[list[int]], *, levels: tuple[int, ...]) -> None:
+    """Add what the services cost beyond the passes (`services.calibrate`) to ``profile``: the
+    drafter tables become round trips through a replica (the bare passes stay as ``drafter_pass``
+    and ``speculate_pass``), and ``serving.verifier`` gets a plain verifier's step overhead and
+    in-service pass cost by rows. The pass's in-service cost is a ratio: the measured mean pass
+    over the simulator's mean pass for the same level (same prompts, outputs, closed loop)."""
+    from services import calibrate  # the services need gRPC & co.; the in-process part does not
+    from specd.plan.sim import Lengths, SimConfig, Workload, simulate
+
+    points = len(settings.batches) * (len(settings.tails) + len(settings.budgets) * (1 + len(settings.extra_blocks)))
+    with tqdm(total=points + len(levels), desc="bench profile: services", unit="point") as progress:
+        draft_table, speculate_table, _ = calibrate.measure_drafter_service(drafter_dir, drafter_model, settings,
+                                                                           progress=progress)
+        verifier = calibrate.measure_verifier_serving(target_dir, prompts, levels=levels,
+                                                      max_tokens=settings.max_tokens, progress=progress)
+    profile["drafter_pass"] = {k: profile["drafter"][k] for k in ("batch", "tokens", "seconds")}
+    profile["speculate_pass"] = {k: profile["speculate"][k] for k in ("batch", "tokens", "seconds")}
+    profile["drafter"]["seconds"] = draft_table.seconds
+    profile["speculate"]["seconds"] = speculate_table.seconds
+    bare = parse_profile(profile, source="the measured profile")
+    prompt_lengths = Lengths.parse(profile["workload"]["prompt_tokens"])
+    outputs = Lengths.parse([min(n, settings.max_tokens) for n in profile["workload"]["output_tokens"]])
+    scale = []
+    for concurrency, requests, measured in zip(verifier["concurrency"], verifier["requests"], verifier["target_seconds"]):
+        simulated = [simulate(bare, SimConfig(mode="plain", drafters=0, block_size=0, max_num_seqs=64, seed=seed),
+                              Workload(requests=requests, concurrency=concurrency, prompt_tokens=prompt_lengths,
+                                       output_tokens=outputs)).target_seconds_per_pass for seed in range(3)]
+        scale.append(round(measured / statistics.mean(simulated), 4))
+    verifier["target_scale"] = scale
+    order = sorted(range(len(verifier["rows"])), key=verifier["rows"].__getitem__)
+    profile["serving"] = {"drafter_round_trips": True,
+                          "verifier": {k: [v[i] for i in order] for k, v in verifier.items()}}
+    profile["notes"] += ("; drafter tables: round trips through a drafter replica from another process (loopback "
+                         "gRPC included); serving.verifier: a plain verifier service under closed-loop HTTP load")
+
+
 def format_profile(profile: dict) -> str:
     """The cost tables in milliseconds, and what speculation earns."""
     lines = []
@@ -354,6 +401,11 @@ def format_profile(profile: dict) -> str:
                  + f"  hit rate {profile['hit_rate']:.2f}  tau {profile.get('tau', float('nan')):.2f}")
     for block, entry in profile.get("by_block", {}).items():
         lines.append(f"block {block}: tau {entry.get('tau', float('nan')):.2f}  hit rate {entry['hit_rate']:.2f}")
+    verifier = profile.get("serving", {}).get("verifier")
+    if verifier:
+        lines.append("\nverifier service (plain, HTTP streams): rows, step time outside the pass, pass vs table")
+        for rows, overhead, scale in zip(verifier["rows"], verifier["overhead_seconds"], verifier["target_scale"]):
+            lines.append(f"  rows {rows:5.1f}: overhead {1000 * overhead:6.2f} ms/step, pass x{scale:.2f}")
     overhead = profile.get("overhead", {})
     lines.append(f"engine overhead: {1000 * overhead.get('step_seconds', 0):.2f} ms/step + "
                  f"{1000 * overhead.get('seq_seconds', 0):.3f} ms/sequence; rpc {1000 * profile.get('rpc_seconds', 0):.2f} ms")
@@ -379,7 +431,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", default="", help=f"comma-separated batch sizes (default {','.join(map(str, TARGET_BATCHES))})")
     parser.add_argument("--tokens", default="", help=f"target tokens per sequence (default {','.join(map(str, TARGET_TOKENS))})")
     parser.add_argument("--repeats", type=int, default=0, help="timed repeats per point (the fastest is kept; default 5, quick 3)")
-    parser.add_argument("--rpc-ms", type=float, default=0.5, help="fixed cost of one drafter round trip, ms (not measured)")
+    parser.add_argument("--rpc-ms", type=float, default=None,
+                        help="network time one drafter round trip adds, ms (default 0 when the drafter is timed "
+                             "through a replica, which includes loopback gRPC; 0.5 with --no-services)")
+    parser.add_argument("--no-services", action="store_true",
+                        help="time passes in this process only: skip the drafter round trips through a replica and "
+                             "the verifier service's serving costs (services.calibrate)")
     parser.add_argument("--out", default="out/bench", help="directory for the JSON")
     parser.add_argument("--json", default=None, help="profile path (default OUT/profile.json)")
 
@@ -396,9 +453,10 @@ def run(args: argparse.Namespace) -> int:
         settings.tokens = _ints(args.tokens, "--tokens")
     if args.repeats:
         settings.repeats = args.repeats
-    if args.rpc_ms < 0:
-        raise ValueError(f"--rpc-ms must be >= 0, got {args.rpc_ms}")
-    settings.rpc_seconds = args.rpc_ms / 1000
+    rpc_ms = args.rpc_ms if args.rpc_ms is not None else (0.5 if args.no_services else 0.0)
+    if rpc_ms < 0:
+        raise ValueError(f"--rpc-ms must be >= 0, got {rpc_ms}")
+    settings.rpc_seconds = rpc_ms / 1000
     target_dir = Path(args.target) if args.target else zoo.ensure("qwen3-tiny")
     drafter_dir = Path(args.drafter) if args.drafter else zoo.ensure("d3d-qwen3-tiny")
     target, drafter = load_model(target_dir), load_model(drafter_dir)
@@ -408,6 +466,11 @@ def run(args: argparse.Namespace) -> int:
     settings.extra_blocks = tuple(b for b in settings.extra_blocks if b <= max_block)
     prompts = zoo_prompts(settings.max_prompt_tokens, settings.prompts_per_domain)
     profile = measure_profile(target, drafter, prompts, settings, names=(target_dir.name, drafter_dir.name))
+    pool = zoo_prompts(settings.max_prompt_tokens, 1 << 30)  # every held-out prompt, as bench serve sends them
+    profile["workload"]["prompt_tokens"] = [len(p) for p in pool]
+    if not args.no_services:
+        measure_services(profile, settings, str(target_dir), str(drafter_dir), drafter, pool,
+                         levels=(1, 16) if args.quick else (1, 4, 16, 64))
     parse_profile(profile, source="the measured profile")  # what we write must load
     print(format_profile(profile))
     json_path = Path(args.json) if args.json else Path(args.out) / "profile.json"

@@ -6,10 +6,11 @@ it completed, output tokens/s, TTFT/TPOT percentiles, τ and hit rate. `compare_
 every row under the same settings (block size, verifier rows, closed loop of the same
 concurrency and request count) with the profile's costs and workload (prompt lengths; output
 lengths capped at the run's ``max_tokens``), averages a few seeds (a level of a few requests is
-noisy), and reports simulated / measured. Two facts of the run come from its JSON: the drafter
-round trip's transport time it measured (``transport_ms``, instead of the profile's
-``rpc_seconds``) and the cores its drafters were pinned to (``drafter_cores``: two drafter
-processes on one core are one drafter's worth of compute). ``use_measured_hits`` takes each row's measured hit
+noisy), and reports simulated / measured. From the run's JSON come the cores its drafters were
+pinned to (``drafter_cores``: two drafter processes on one core are one drafter's worth of
+compute) and, only for a profile of bare drafter passes (``--no-services``), the drafter round
+trip's transport time it measured (``transport_ms``, instead of ``rpc_seconds``; a full profile
+times the drafter through a replica, transport included). ``use_measured_hits`` takes each row's measured hit
 rate instead of the profile's, to tell cost-model error from acceptance error.
 
 What the simulator does not see: CPU cores shared between services and the client (the bench
@@ -43,6 +44,12 @@ class CompareRow:
     simulated_ttft_p50: float
     measured_tau: float
     simulated_tau: float
+    measured_target_ms: float = 0.0
+    """Mean target pass in the verifier, as its metrics report it."""
+    simulated_target_ms: float = 0.0
+    measured_overhead_ms: float = 0.0
+    """Verifier loop time per step outside passes and blocking drafter calls."""
+    simulated_overhead_ms: float = 0.0
 
     @property
     def ratio(self) -> float:
@@ -80,8 +87,9 @@ def compare_serve(profile: Profile, serve: dict, *, seeds: int = 3, use_measured
             # Drafter processes pinned to fewer cores than there are processes share them: as
             # compute they are that many replicas.
             config.drafters = min(config.drafters, int(row["drafter_cores"]))
-        if row.get("transport_ms"):
-            config.rpc_seconds = float(row["transport_ms"]) / 1e3  # measured by the run itself
+        if row.get("transport_ms") and not profile.drafter_round_trips:
+            # Bare passes in the profile: the round trip's transport as the run measured it.
+            config.rpc_seconds = float(row["transport_ms"]) / 1e3
         if use_measured_hits and config.mode == "async":
             config.hit_rate = float(row.get("hit_rate", 0.0))
         results = []
@@ -91,13 +99,17 @@ def compare_serve(profile: Profile, serve: dict, *, seeds: int = 3, use_measured
                                 prompt_tokens=prompts, output_tokens=outputs)
             results.append(simulate(profile, config, workload))
         mean = {name: float(np.mean([getattr(r, name) for r in results]))
-                for name in ("tokens_per_s", "tpot_p50", "ttft_p50", "tau")}
+                for name in ("tokens_per_s", "tpot_p50", "ttft_p50", "tau", "target_seconds_per_pass",
+                             "overhead_seconds_per_step")}
         out.append(CompareRow(
             deployment=row["deployment"], concurrency=int(row["concurrency"]), requests=int(row["requests"]),
             measured_tokens_per_s=float(row["tokens_per_s"]), simulated_tokens_per_s=mean["tokens_per_s"],
             measured_tpot_p50=float(row["tpot_p50"]), simulated_tpot_p50=mean["tpot_p50"],
             measured_ttft_p50=float(row["ttft_p50"]), simulated_ttft_p50=mean["ttft_p50"],
             measured_tau=float(row.get("tau", 1.0)), simulated_tau=mean["tau"],
+            measured_target_ms=float(row.get("target_ms", 0.0)), simulated_target_ms=1e3 * mean["target_seconds_per_pass"],
+            measured_overhead_ms=float(row.get("step_overhead_ms", 0.0)),
+            simulated_overhead_ms=1e3 * mean["overhead_seconds_per_step"],
         ))
     if not out:
         raise ValueError("the bench serve JSON has no rows with completed requests")
@@ -106,14 +118,17 @@ def compare_serve(profile: Profile, serve: dict, *, seeds: int = 3, use_measured
 
 def format_compare(rows: list[CompareRow]) -> str:
     head = (f"{'deployment':<11}{'conc':>5}{'reqs':>5}{'tok/s meas':>11}{'sim':>9}{'sim/meas':>9}"
-            f"{'TPOT meas':>10}{'sim':>8}{'TTFT meas':>10}{'sim':>8}{'tau meas':>9}{'sim':>6}")
+            f"{'TPOT meas':>10}{'sim':>8}{'TTFT meas':>10}{'sim':>8}{'tau meas':>9}{'sim':>6}"
+            f"{'pass meas':>10}{'sim':>8}{'ovh meas':>9}{'sim':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r.deployment:<11}{r.concurrency:>5}{r.requests:>5}{r.measured_tokens_per_s:>11.1f}"
             f"{r.simulated_tokens_per_s:>9.1f}{r.ratio:>8.2f}x{r.measured_tpot_p50 * 1e3:>8.1f}ms"
             f"{r.simulated_tpot_p50 * 1e3:>6.1f}ms{r.measured_ttft_p50 * 1e3:>8.0f}ms{r.simulated_ttft_p50 * 1e3:>6.0f}ms"
-            f"{r.measured_tau:>9.2f}{r.simulated_tau:>6.2f}")
+            f"{r.measured_tau:>9.2f}{r.simulated_tau:>6.2f}"
+            f"{r.measured_target_ms:>8.2f}ms{r.simulated_target_ms:>6.2f}ms"
+            f"{r.measured_overhead_ms:>7.2f}ms{r.simulated_overhead_ms:>5.2f}ms")
     ratios = [r.ratio for r in rows]
     lines.append(f"tokens/s sim/meas: median {np.median(ratios):.2f}, worst {max(ratios, key=lambda x: abs(x - 1)):.2f}; "
                  f"within 15%: {sum(abs(x - 1) <= 0.15 for x in ratios)}/{len(ratios)}")

@@ -26,6 +26,12 @@ Schema (``version`` 1; fields marked * are required):
       "overhead": {"step_seconds": 0.001, "seq_seconds": 0.0001},
       "padded_rows": true,                 each busy row is padded to the longest (specd's engine);
                                            false: the rows' real tokens only (packed)
+      "serving": {"drafter_round_trips": true,   the drafter tables hold whole round trips through
+                                           a replica (rpc_seconds: only what a network adds)
+                  "verifier": {"rows"*: [1.0, 3.9, ...], "overhead_seconds"*: [...],
+                               "target_scale"*: [...], ...}},   optional: a verifier service's
+                                           step time outside its pass, and its pass over the
+                                           target table's, by mean rows (`services.calibrate`)
       "workload": {"prompt_tokens": [...], "output_tokens": [...], "max_tokens": 64}   optional
     }
 
@@ -94,6 +100,33 @@ class Acceptance:
 
 
 @dataclass(kw_only=True, slots=True)
+class Serving:
+    """A verifier service's costs beyond the in-process passes, by mean rows per pass (measured by
+    `services.calibrate`; piecewise linear between the measured points, flat past them)."""
+
+    rows: list[float]
+    overhead_seconds: list[float]
+    """Seconds of a step outside its target pass (admission, sampling, streaming deltas)."""
+    target_scale: list[float]
+    """The in-service target pass over the target table's cost for the same pass."""
+
+    def overhead(self, rows: int) -> float:
+        return _interp(rows, self.rows, self.overhead_seconds)
+
+    def scale(self, rows: int) -> float:
+        return _interp(rows, self.rows, self.target_scale)
+
+
+def _interp(x: float, xs: list[float], ys: list[float]) -> float:
+    if x <= xs[0]:
+        return ys[0]
+    for (x0, y0), (x1, y1) in itertools.pairwise(zip(xs, ys)):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return ys[-1]
+
+
+@dataclass(kw_only=True, slots=True)
 class Profile:
     """A validated profile (module docstring); build one with `load_profile` or `parse_profile`."""
 
@@ -113,6 +146,9 @@ class Profile:
     step_overhead_s: float = 0.0
     seq_overhead_s: float = 0.0
     padded_rows: bool = True
+    serving: Serving | None = None
+    drafter_round_trips: bool = False
+    """The drafter tables are whole round trips through a replica (not bare passes)."""
     prompt_tokens: list[int] = field(default_factory=list)
     output_tokens: list[int] = field(default_factory=list)
     notes: str = ""
@@ -232,6 +268,27 @@ def parse_profile(data: Any, *, source: str = "profile") -> Profile:
     group_sizes = data["drafter"].get("group_sizes", [])
     if not isinstance(group_sizes, list) or not all(isinstance(g, int) and g >= 2 for g in group_sizes):
         raise fail("drafter.group_sizes", f"must be a list of integers >= 2, got {group_sizes!r}")
+    serving, round_trips = None, False
+    if "serving" in data:
+        block = data["serving"]
+        if not isinstance(block, dict):
+            raise fail("serving", "must be an object")
+        round_trips = bool(block.get("drafter_round_trips", False))
+        if "verifier" in block:
+            verifier = block["verifier"]
+            if not isinstance(verifier, dict):
+                raise fail("serving.verifier", "must be an object with rows, overhead_seconds and target_scale")
+            columns = {}
+            for name in ("rows", "overhead_seconds", "target_scale"):
+                values = required(verifier, name, "serving.verifier.")
+                if not isinstance(values, list) or not values:
+                    raise fail(f"serving.verifier.{name}", f"must be a non-empty list of numbers, got {values!r}")
+                columns[name] = [number(f"serving.verifier.{name}", v, 0.0) for v in values]
+            if len({len(v) for v in columns.values()}) != 1:
+                raise fail("serving.verifier", "needs rows, overhead_seconds and target_scale of one length")
+            if any(b <= a for a, b in itertools.pairwise(columns["rows"])):
+                raise fail("serving.verifier.rows", f"must be strictly increasing, got {columns['rows']!r}")
+            serving = Serving(**columns)
     notes = data.get("notes", "")
     return Profile(
         target=target, drafter=drafter, speculate=speculate, block_size=block_size,
@@ -242,7 +299,7 @@ def parse_profile(data: Any, *, source: str = "profile") -> Profile:
         rpc_seconds=number("rpc_seconds", data.get("rpc_seconds", 0.0005), 0.0, 10.0),
         step_overhead_s=number("overhead.step_seconds", overhead.get("step_seconds", 0.0), 0.0, 10.0),
         seq_overhead_s=number("overhead.seq_seconds", overhead.get("seq_seconds", 0.0), 0.0, 10.0),
-        padded_rows=bool(data.get("padded_rows", True)),
+        padded_rows=bool(data.get("padded_rows", True)), serving=serving, drafter_round_trips=round_trips,
         prompt_tokens=lengths["prompt_tokens"], output_tokens=lengths["output_tokens"],
         notes=notes if isinstance(notes, str) else json.dumps(notes), raw=data,
     )

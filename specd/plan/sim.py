@@ -224,6 +224,10 @@ class SimResult:
     """Mean accepted length + 1 per sequence per target pass, as the engine counts it."""
     hit_rate: float
     target_passes: int
+    target_seconds_per_pass: float
+    """Mean seconds of one target pass (the profile's cost of the pass's shape)."""
+    overhead_seconds_per_step: float
+    """Mean seconds of a step outside the target pass and drafter waits."""
     blocking_draft_calls: int
     mean_batch: float
     verifier_utilisation: float
@@ -300,6 +304,7 @@ class Simulation:
         self.verifiers = [_Verifier(i, config.drafters) for i in range(config.verifiers)]
         self.drafters = [_Drafter(self.env, i) for i in range(config.drafters if self.speculative else 0)]
         self.finished: list[_Request] = []
+        self.target_seconds = self.overhead_seconds = 0.0
         self.passes = self.pass_seqs = self.accepted = self.committed = self.lookups = self.hits = self.blocking = 0
         self._next_verifier = 0
 
@@ -368,16 +373,28 @@ class Simulation:
             rows = len(running)  # the engine passes the busy rows only (handed out lowest first)
             length = self._verify_length(v, rows) if self.speculative else 0
             tokens = _row_tokens([(s.request.prompt if s.new else 1) + length for s in running], self.padded)
-            target = env.timeout(self.profile.target(rows, tokens))
+            cost = self.profile.target(rows, tokens)
+            if self.profile.serving is not None:
+                cost *= self.profile.serving.scale(rows)
+            self.target_seconds += cost
+            target = env.timeout(cost)
             if self.speculative and config.mode == "async":
                 yield target & env.process(self._call(running, "speculate", length))
             else:
                 yield target
-            overhead = self.profile.step_overhead_s + self.profile.seq_overhead_s * len(running)
+            overhead = self._overhead(len(running))
             if overhead > 0:
+                self.overhead_seconds += overhead
                 yield env.timeout(overhead)
             self._commit(v, length)
             v.busy += env.now - start
+
+    def _overhead(self, rows: int) -> float:
+        """A step's time outside its pass: the verifier service's, measured by rows, where the
+        profile has it; else the engine's in-process line."""
+        if self.profile.serving is not None:
+            return self.profile.serving.overhead(rows)
+        return self.profile.step_overhead_s + self.profile.seq_overhead_s * rows
 
     def _admit(self, v: _Verifier, request: _Request) -> None:
         seq = _Seq(request)
@@ -503,7 +520,10 @@ class Simulation:
             tpot_p50=_percentile(tpots, 0.5), tpot_p99=_percentile(tpots, 0.99),
             tau=self.accepted / self.pass_seqs + 1 if self.pass_seqs else 1.0,
             hit_rate=self.hits / self.lookups if self.lookups else 0.0,
-            target_passes=self.passes, blocking_draft_calls=self.blocking,
+            target_passes=self.passes,
+            target_seconds_per_pass=self.target_seconds / self.passes if self.passes else 0.0,
+            overhead_seconds_per_step=self.overhead_seconds / self.passes if self.passes else 0.0,
+            blocking_draft_calls=self.blocking,
             mean_batch=self.pass_seqs / self.passes if self.passes else 0.0,
             verifier_utilisation=sum(v.busy for v in self.verifiers) / (seconds * len(self.verifiers)) if seconds > 0 else 0.0,
             drafter_utilisation=float(np.mean(busy)) if self.drafters else 0.0,

@@ -206,3 +206,34 @@ def test_sigterm_drains_in_flight_requests(models):
         channel.close()
     finally:
         stack.stop()
+
+
+def test_bench_profile_times_the_drafter_through_a_replica_and_the_verifier_in_service(models):
+    """`specd bench profile`'s service part: the drafter tables become round trips through a real
+    replica (the bare passes kept beside them), and a plain verifier under closed-loop HTTP load
+    reports its rows, pass and overhead per level — a profile the simulator loads."""
+    from specd.bench.profile import ProfileSettings, measure_profile, measure_services
+    from specd.models.loading import load_model
+    from specd.plan.profile import parse_profile
+
+    target, target_dir, drafter_dir, tokenizer = models
+    drafter = load_model(drafter_dir)
+    settings = ProfileSettings(batches=(1, 2), tokens=(1, 5), budgets=(1,), tails=(2, 8), context=8, repeats=1,
+                               block_size=4, extra_blocks=(), acceptance_batches=(2,), max_tokens=6)
+    pool = prompts(6, tokenizer.get_vocab_size())
+    data = measure_profile(target, drafter, pool, settings)
+    bare = {name: dict(data[name]) for name in ("drafter", "speculate")}
+    measure_services(data, settings, target_dir, drafter_dir, drafter, pool, levels=(1, 4))
+
+    profile = parse_profile(data)
+    assert profile.drafter_round_trips
+    for name in ("drafter", "speculate"):
+        assert data[f"{name}_pass"]["seconds"] == bare[name]["seconds"]  # the bare passes stay, beside
+        assert [len(row) for row in data[name]["seconds"]] == [len(row) for row in bare[name]["seconds"]]
+        assert data[name]["seconds"] != bare[name]["seconds"]  # ... the round trips, measured anew
+    verifier = data["serving"]["verifier"]
+    assert verifier["concurrency"] == [1, 4] and verifier["requests"] == [8, 8]
+    # One client: every pass has exactly one row. Four: never more than four.
+    assert verifier["rows"][0] == pytest.approx(1.0) and 1.0 < verifier["rows"][1] <= 4.0
+    assert all(s > 0 for s in verifier["target_scale"]) and all(s >= 0 for s in verifier["overhead_seconds"])
+    assert profile.serving.overhead(1) == pytest.approx(verifier["overhead_seconds"][0])

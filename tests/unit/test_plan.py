@@ -62,6 +62,13 @@ def test_a_missing_field_is_named(field):
     ({"block_size": 0}, "block_size"),
     ({"version": 2}, "version"),
     ({"by_block": {"8": {"hit_rate": 0.5}}}, "by_block.8.acceptance_per_pos"),
+    ({"serving": {"verifier": {"rows": [1, 4], "overhead_seconds": [0.001, 0.002]}}}, "serving.verifier.target_scale"),
+    ({"serving": {"verifier": {"rows": [4, 1], "overhead_seconds": [0.001, 0.002], "target_scale": [1, 1]}}},
+     "serving.verifier.rows"),
+    ({"serving": {"verifier": {"rows": [1, 4], "overhead_seconds": [0.001], "target_scale": [1, 1]}}},
+     "serving.verifier"),
+    ({"serving": {"verifier": {"rows": [1], "overhead_seconds": [-0.001], "target_scale": [1]}}},
+     "serving.verifier.overhead_seconds"),
 ])
 def test_a_bad_field_is_named(change, field):
     with pytest.raises(ValueError, match=rf"field '{field}'"):

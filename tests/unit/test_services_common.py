@@ -401,11 +401,12 @@ def test_unary_calls_get_the_default_deadline_and_streams_do_not(echo_server):
     with open_channel(address, config) as channel:
         for method in METHODS:
             _call(channel, method)
-        assert 0 < echo.seen["Unary"]["time_remaining"] <= 3.0
+        # the server sees the 3 s deadline less the time in flight; grpc's header rounding can add a few ms
+        assert 2.0 < echo.seen["Unary"]["time_remaining"] <= 3.1
         for method in ("ServerStream", "ClientStream", "BidiStream"):
             assert echo.seen[method]["time_remaining"] > 1e6, method  # grpc's "infinite" deadline
         _call(channel, "Unary", timeout=60)
-        assert echo.seen["Unary"]["time_remaining"] > 3.0  # a call's own deadline wins
+        assert echo.seen["Unary"]["time_remaining"] > 30  # a call's own deadline wins
 
     with open_channel(address, ServiceConfig(deadline_seconds=0.3)) as channel:
         with pytest.raises(grpc.RpcError) as error:

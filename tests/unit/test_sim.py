@@ -48,6 +48,20 @@ def test_plain_throughput_is_batch_over_pass_cost(batch):
     assert result.tpot_p50 == pytest.approx(cost(batch, 1), rel=0.01)
 
 
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_a_measured_serving_cost_scales_the_pass_and_adds_its_overhead_by_rows(batch):
+    cost = lambda b, t: 0.002 + 0.0005 * b
+    serving = {"verifier": {"rows": [1, 16], "overhead_seconds": [0.001, 0.004], "target_scale": [1.0, 1.5]}}
+    result = simulate(profile(target=cost, serving=serving), SimConfig(mode="plain", max_num_seqs=batch),
+                      closed(batch, 8 * batch, output=32))
+    fraction = (batch - 1) / 15  # rows interpolate linearly between the measured points
+    step = cost(batch, 1) * (1.0 + 0.5 * fraction) + 0.001 + 0.003 * fraction
+    print(f"batch {batch}: simulated {result.tokens_per_s:.1f} tokens/s, analytic {batch / step:.1f}")
+    assert result.tokens_per_s == pytest.approx(batch / step, rel=0.02)
+    assert result.overhead_seconds_per_step == pytest.approx(0.001 + 0.003 * fraction, rel=1e-6)
+    assert result.target_seconds_per_pass == pytest.approx(cost(batch, 1) * (1.0 + 0.5 * fraction), rel=1e-6)
+
+
 def tau_of(acceptance: list[float], block: int) -> float:
     return 1 + sum(acceptance[:block])
 

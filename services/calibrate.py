@@ -1,0 +1,116 @@
+"""What the services add to the passes, measured through real processes: `specd bench profile`'s
+serving part (on unless ``--no-services``).
+
+A pass measured in one process is not what a deployment pays for it. The simulator's profile
+therefore also holds two measurements made through the same processes `specd bench serve`
+starts (`services.up.Stack`, pinned to cores the same way):
+
+- **Drafter round trips.** One drafter replica; this process plays the verifier with the
+  verifier's own client (`services.verifier.drafter_pool.RemoteDrafters`), pinned off the
+  replica's core. The Draft and Speculate tables are then timed exactly as in-process
+  (`specd.bench.profile.measure_drafter`) but each point is a whole round trip: the request's
+  serialisation, loopback gRPC, the replica's handling and its packed pass, the answer's parsing.
+  ``rpc_seconds`` is then only the network a deployment adds beyond loopback (``--rpc-ms``).
+- **Verifier serving.** A plain verifier (no drafters) driven over its OpenAI HTTP API by closed
+  loops of C streaming clients, as `specd bench serve` drives it. Per level, from the verifier's
+  own metrics: target passes, mean rows per pass, mean seconds of a target pass, and mean seconds
+  of a step outside its target pass (admission, sampling, streaming every delta to its client —
+  in the same process, on the same core, as the passes). The simulator reads the latter as the
+  step overhead by rows, and the ratio of the in-service pass to the in-process table as the
+  pass's in-service cost (`specd.plan.profile.Serving`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from services.bench import _clients_off_verifier_cores, _sender, run_level
+from services.client import metrics
+from services.common.config import ServiceConfig
+from services.up import Stack, StackConfig, free_port
+from services.verifier.drafter_pool import RemoteDrafters
+from specd.bench.profile import ProfileSettings, measure_drafter
+from specd.plan.profile import CostTable
+
+VERIFIER_LEVELS = (1, 4, 16, 64)
+
+
+def _ports() -> dict[str, int]:
+    return {"verifier_http_port": free_port(), "verifier_grpc_port": free_port(), "drafter_port": free_port()}
+
+
+@contextlib.contextmanager
+def _off_cores(cores: set[int | None]) -> Iterator[None]:
+    """This process stays off ``cores`` (the services') where the machine has others."""
+    mine = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set()
+    others = mine - cores
+    if not others or others == mine:
+        yield
+        return
+    os.sched_setaffinity(0, others)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, mine)
+
+
+def measure_drafter_service(drafter_dir: str, model: torch.nn.Module, settings: ProfileSettings, *,
+                            pin: bool = True, progress: tqdm | None = None) -> tuple[CostTable, CostTable, list[dict]]:
+    """The Draft and Speculate tables through one drafter replica (module docstring)."""
+    config = StackConfig(target="", drafter=drafter_dir, drafters=1, verifiers=0, trainer=False, pin=pin,
+                         drafter_args=["--max-num-seqs", str(max(settings.batches))], **_ports())
+    with Stack(config) as stack, _off_cores({s.core for s in stack.drafters}):
+        pool = RemoteDrafters([stack.drafters[0].grpc], ServiceConfig(), timeout=60.0)
+        try:
+            return measure_drafter(
+                model, settings.batches, block_size=settings.block_size,
+                speculate_blocks=(settings.block_size, *settings.extra_blocks), budgets=settings.budgets,
+                tails=settings.tails, context=settings.context, repeats=settings.repeats, progress=progress,
+                make_drafter=lambda batch: pool)
+        finally:
+            pool.close()
+
+
+def measure_verifier_serving(target_dir: str, pool: list[list[int]], *, levels: tuple[int, ...] = VERIFIER_LEVELS,
+                             max_tokens: int = 64, max_num_seqs: int = 64, pin: bool = True,
+                             progress: tqdm | None = None) -> dict:
+    """Per concurrency level: rows, pass and outside-the-pass seconds of a plain verifier serving
+    HTTP streams of the prompts in ``pool`` (module docstring)."""
+    config = StackConfig(target=target_dir, drafter="", drafters=0, verifiers=1, trainer=False, pin=pin,
+                         max_num_seqs=max_num_seqs, **_ports())
+    out: dict[str, list] = {"concurrency": [], "requests": [], "rows": [], "passes": [], "target_seconds": [],
+                            "overhead_seconds": [], "tokens_per_s": []}
+    with Stack(config) as stack, _clients_off_verifier_cores(stack):
+        base = stack.verifiers[0].http
+        send = _sender("http", stack, Path(target_dir).name)
+        run_level(send, pool, 1, 2, 8)  # warm up: first passes allocate
+        for concurrency in levels:
+            if progress is not None:
+                progress.set_postfix_str(f"verifier serving c={concurrency}")
+            requests = max(2 * concurrency, 8)
+            before = metrics(base)
+            results, seconds, errors = run_level(send, pool, concurrency, requests, max_tokens)
+            after = metrics(base)
+            if errors:
+                raise RuntimeError(f"the verifier failed {len(errors)} requests at concurrency {concurrency}: {errors[0]}")
+            delta = {name: after[name] - before.get(name, 0.0) for name in after}
+            passes = delta["specd:num_target_passes_total"]
+            target = delta["specd:engine_seconds_total{part=target}"]
+            step = delta["specd:engine_seconds_total{part=step}"]
+            out["concurrency"].append(concurrency)
+            out["requests"].append(len(results))
+            out["passes"].append(int(passes))
+            # Plain decoding commits one token per running row per pass.
+            out["rows"].append(delta["specd:spec_decode_num_emitted_tokens_total"] / passes)
+            out["target_seconds"].append(target / passes)
+            out["overhead_seconds"].append((step - target) / passes)
+            out["tokens_per_s"].append(sum(r.completion_tokens for r in results) / seconds)
+            if progress is not None:
+                progress.update()
+    return out
