@@ -12,6 +12,7 @@
     specd bench opd [--quick]          SpecOPD vs sequential OPD vs offline distillation, same run
     specd bench serve [--quick]        end to end through the services: plain vs sync vs async D3D
     specd bench profile [--quick]      pass costs + acceptance as JSON for specd plan
+    specd bench gpu [--device cpu --tiny]  CUDA paths checked + Qwen3-8B-shaped pass costs (bench/gpu.sh)
     specd plan --profile F --gpus N    drafter:verifier split + block length by simulation; Helm override
     specd up [--drafters N] ...        the services on this machine (Redis, trainer, drafters, verifiers)
 
@@ -32,6 +33,7 @@ from tokenizers import Tokenizer
 
 from specd import zoo
 from specd.bench import opd as bench_opd
+from specd.bench import gpu as bench_gpu
 from specd.bench import profile as bench_profile
 from specd.bench import trees as bench_trees
 from specd.bench.decode import METHODS, DecodeSettings
@@ -380,6 +382,9 @@ def parser() -> argparse.ArgumentParser:
     profile_bench = bench.add_parser("profile", help="pass costs of the target and D3D drafter, acceptance and hit rate (JSON for specd plan)")
     bench_profile.add_arguments(profile_bench)
     profile_bench.set_defaults(func=bench_profile.run)
+    gpu_bench = bench.add_parser("gpu", help="on one GPU: kernels vs references, NCCL, Qwen3-8B-shaped pass costs, projected speedup")
+    bench_gpu.add_arguments(gpu_bench)
+    gpu_bench.set_defaults(func=bench_gpu.run)
     serve_bench = bench.add_parser("serve", help="end to end through the services: plain vs sync vs async D3D, by concurrency")
     serve_bench.set_defaults(func=cmd_bench_serve)
     _services_module("bench").add_arguments(serve_bench)

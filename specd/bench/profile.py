@@ -80,11 +80,14 @@ def _typical_seconds(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _target_pass(model: nn.Module, cache, new: list[list[int]], context: int, lengths: torch.Tensor) -> None:
+def _target_pass(model: nn.Module, cache, new: list[list[int]], context: int, lengths: torch.Tensor,
+                 device: torch.device) -> None:
     """What SpeculativeEngine._verify_pass times: trees -> ForwardBatch -> logits; then forget them."""
     trees = [TokenTree.chain(tokens, context) for tokens in new]
-    model(ForwardBatch.from_trees(trees, lengths), cache)
+    model(ForwardBatch.from_trees(trees, [context] * len(new), device), cache)
     cache.rollback(lengths)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the pass is done when its kernels are, not when they are queued
 
 
 @torch.no_grad()
@@ -92,19 +95,20 @@ def measure_target(model: nn.Module, batches: tuple[int, ...], tokens: tuple[int
                    repeats: int = 3, progress: tqdm | None = None) -> CostTable:
     """Target pass seconds per (batch, tokens) after ``context`` cached tokens (module docstring)."""
     vocab = model.config.vocab_size
+    device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(0)
     seconds = []
     for batch in batches:
         cache = model.new_cache(batch, capacity=context + max(tokens) + 1)
         prefix = torch.randint(4, vocab, (batch, context), generator=generator).tolist()
-        fill = ForwardBatch.causal(prefix, cache.lengths.tolist())
+        fill = ForwardBatch.causal(prefix, cache.lengths.tolist(), device)
         model(fill, cache)
         cache.commit(fill, [list(range(context))] * batch)
         lengths = cache.lengths.clone()
         row = []
         for count in tokens:
             new = torch.randint(4, vocab, (batch, count), generator=generator).tolist()
-            row.append(_typical_seconds(partial(_target_pass, model, cache, new, context, lengths), repeats))
+            row.append(_typical_seconds(partial(_target_pass, model, cache, new, context, lengths, device), repeats))
             _progress(progress, f"target batch {batch} tokens {count}")
         seconds.append(row)
     return CostTable(batch=list(batches), tokens=list(tokens), seconds=seconds)
