@@ -9,8 +9,11 @@ It models what the services do, step by step, with costs from a profile (`specd.
   `SpeculativeEngine`). The pass covers the busy rows only (the engine hands rows out lowest
   first and passes the busy prefix); with ``padded_rows`` (specd's engine: each row padded to the
   longest) it costs ``target(running, longest row)``; without (a packed, vLLM-style engine)
-  ``target(running, mean tokens per row)``, the same total tokens. Then the engine's overhead
-  per step.
+  ``target(running, mean tokens per row)``, the same total tokens. Then the step's time outside
+  the pass. Where the profile measured a verifier service (``serving.verifier``, by mean rows
+  per pass), the pass costs the table times the service's measured in-service ratio and the
+  step adds the service's measured overhead (admission, sampling, streaming deltas to clients);
+  otherwise the engine's in-process line ``step_seconds + seq_seconds * rows``.
 - **Blocks.** ``L`` is the configured block, or with ``adaptive_block`` (the verifier's default)
   the length maximising expected committed tokens per second, ``(1 + sum_{i<L} a_i) / target(rows,
   1 + L)`` — what `specd.cost_model.CostModel` converges to when the drafter's confidence is
@@ -32,7 +35,9 @@ It models what the services do, step by step, with costs from a profile (`specd.
   tokens: Draft ``tail + g`` (tail = the prompt for a new sequence, 1 after an async miss — the
   accepted tokens were known nodes of the last Speculate pass — and ``k + 1`` in sync mode),
   Speculate ``L + c * (1 + g)`` for ``c = candidate_budget`` outcomes, ``g`` the mask group for
-  the block. Each call pays ``rpc_seconds`` (half each way).
+  the block. Each call pays ``rpc_seconds`` (half each way): a profile whose drafter tables are
+  round trips through a replica (``serving.drafter_round_trips``) already holds loopback gRPC, and
+  its ``rpc_seconds`` is only what a network adds.
 - **Placement** (`services.verifier.drafter_pool`): a sequence sticks to the replica that had the
   fewest of this verifier's live sequences when it arrived (ties: the first replica), so one
   verifier's step is split across replicas and its parts run concurrently (``spread``).
