@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from specd.batch import ForwardBatch
 from specd.cache import KVCache
+from specd.models.attention import AttentionMetadata, get_backend
 from specd.models.layers import RMSNorm, rotary_tables
 from specd.models.qwen3 import Qwen3Config, Qwen3DecoderLayer, init_weights
 from specd.tree import TokenTree
@@ -192,6 +193,11 @@ class D3DModel(nn.Module):
         if config.target_hidden_size:
             self.target_proj = nn.Linear(config.target_hidden_size, config.hidden_size, bias=False)
         self.apply(init_weights)
+        self.attention_backend = get_backend("auto")
+
+    def set_attention_backend(self, name: str) -> None:
+        """How attention runs: "auto", "sdpa", "flex", "flash" or "triton" (`specd.models.attention`)."""
+        self.attention_backend = get_backend(name)
 
     def new_cache(self, num_seqs: int, capacity: int = 256) -> KVCache:
         c = self.config
@@ -217,8 +223,9 @@ class D3DModel(nn.Module):
             is_known = (batch.input_ids != self.config.mask_token_id)[..., None]
             x = x + self.target_proj(target_hidden.to(x.dtype)) * is_known
         rotary = rotary_tables(batch.positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        attention = AttentionMetadata.from_batch(batch, self.attention_backend)
         for layer in self.layers:
-            x = layer(x, rotary, batch, cache)
+            x = layer(x, rotary, batch, cache, attention)
         return self.norm(x)
 
     def forward(self, batch: ForwardBatch, cache: KVCache | None = None, target_hidden: Tensor | None = None) -> Tensor:
@@ -240,4 +247,5 @@ class D3DModel(nn.Module):
         pruned.load_state_dict(state)
         for i, layer in enumerate(pruned.layers):
             layer.self_attn.layer_index = i
+        pruned.attention_backend = self.attention_backend
         return pruned.to(self.embed_tokens.weight.dtype).eval()

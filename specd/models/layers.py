@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from specd.batch import ForwardBatch
 from specd.cache import KVCache
+from specd.models.attention import AttentionMetadata
 
 
 class RMSNorm(nn.Module):
@@ -65,7 +66,8 @@ class GQAttention(nn.Module):
     """Grouped-query attention with per-head q/k RMSNorm (Qwen3), over a `ForwardBatch`.
 
     With a cache, the new keys/values are written to their slots and queries attend over the
-    slots the batch mask allows; without one, over the new tokens themselves.
+    slots the batch mask allows; without one, over the new tokens themselves. The attention
+    itself is the pass's backend (`specd.models.attention`).
     """
 
     def __init__(
@@ -98,7 +100,7 @@ class GQAttention(nn.Module):
         rotary: tuple[Tensor, Tensor],  # cos, sin [num_seqs, max_new, head_dim]
         batch: ForwardBatch,
         cache: KVCache | None,
-        mask: Tensor | None = None,  # [num_seqs, max_new, num_key_slots] overrides batch.mask
+        attention: AttentionMetadata,  # the pass's mask and backend (built once per pass)
     ) -> Tensor:
         num_seqs, max_new, _ = x.shape
         split = lambda t, h: t.view(num_seqs, max_new, h, self.head_dim).transpose(1, 2)  # noqa: E731
@@ -108,12 +110,5 @@ class GQAttention(nn.Module):
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if cache is not None:
             k, v = cache.update(self.layer_index, k, v, batch)
-        gqa = self.num_heads != self.num_kv_heads
-        if mask is None and batch.dense_causal:
-            # Training shape: let SDPA pick its fused causal kernel instead of a dense mask.
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            mask = batch.mask if mask is None else mask
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=gqa)
-        # out: [num_seqs, num_heads, max_new, head_dim]
+        out = attention.attend(q, k, v)  # [num_seqs, num_heads, max_new, head_dim]
         return self.o_proj(out.transpose(1, 2).reshape(num_seqs, max_new, -1))

@@ -4,6 +4,8 @@ Module names mirror Hugging Face's `Qwen3ForCausalLM` (``model.layers.N.self_att
 so the weight-name mapping is the identity and a Hugging Face checkpoint (Qwen3-0.6B .. 32B)
 loads as it is through `specd.models.loading`. Every pass is over a `ForwardBatch` (ragged
 prefill, decode, verification blocks and token trees alike) with an optional `KVCache`.
+How attention runs is ``model.set_attention_backend(name)`` (default "auto"; see
+`specd.models.attention`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch import Tensor, nn
 
 from specd.batch import ForwardBatch
 from specd.cache import KVCache
+from specd.models.attention import AttentionMetadata, get_backend
 from specd.models.layers import GQAttention, RMSNorm, SwiGLU, rotary_tables
 
 
@@ -133,8 +136,9 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x: Tensor, rotary, batch: ForwardBatch, cache: KVCache | None) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, batch, cache)
+    def forward(self, x: Tensor, rotary, batch: ForwardBatch, cache: KVCache | None,
+                attention: AttentionMetadata) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotary, batch, cache, attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -157,6 +161,11 @@ class Qwen3ForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.apply(init_weights)
+        self.attention_backend = get_backend("auto")
+
+    def set_attention_backend(self, name: str) -> None:
+        """How attention runs: "auto", "sdpa", "flex", "flash" or "triton" (`specd.models.attention`)."""
+        self.attention_backend = get_backend(name)
 
     def new_cache(self, num_seqs: int, capacity: int = 256) -> KVCache:
         c = self.config
@@ -172,8 +181,9 @@ class Qwen3ForCausalLM(nn.Module):
             cache.prepare(batch)
         x = self.model.embed_tokens(batch.input_ids)
         rotary = rotary_tables(batch.positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        attention = AttentionMetadata.from_batch(batch, self.attention_backend)
         for layer in self.model.layers:
-            x = layer(x, rotary, batch, cache)
+            x = layer(x, rotary, batch, cache, attention)
         return self.model.norm(x)
 
     def forward(self, batch: ForwardBatch, cache: KVCache | None = None) -> Tensor:

@@ -17,7 +17,9 @@ with a message saying so; ``mlp_only_layers`` covering every layer (or ``num_exp
 is a dense model and loads.
 
 Every pass is over a `ForwardBatch` of token trees with an optional `HybridCache`; the linear
-layers are exact on trees by indexed state replay (see `specd.models.gated_deltanet`).
+layers are exact on trees by indexed state replay (see `specd.models.gated_deltanet`). How the
+full-attention layers run is ``model.set_attention_backend(name)`` (default "auto"; see
+`specd.models.attention`).
 """
 
 from __future__ import annotations
@@ -26,11 +28,11 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specd.batch import ForwardBatch
 from specd.cache import KVCache
+from specd.models.attention import AttentionMetadata, get_backend
 from specd.models.gated_deltanet import GatedDeltaNet, RecurrentMetadata
 from specd.models.layers import SwiGLU, rotary_tables
 from specd.models.qwen3 import init_weights
@@ -221,22 +223,19 @@ class GatedAttention(nn.Module):
         q, k = apply_partial_rotary(q, *rotary), apply_partial_rotary(k, *rotary)
         return q, k, v, gate.reshape(num_seqs, max_new, -1)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, gate: Tensor, mask: Tensor | None) -> Tensor:
-        """SDPA over ``mask`` ([seqs, new, keys] bool; None = causal), gate, output projection."""
-        gqa = self.num_heads != self.num_kv_heads
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=gqa)
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, gate: Tensor, attention: AttentionMetadata) -> Tensor:
+        """Attention over ``attention``'s mask through its backend, then gate and output projection."""
+        out = attention.attend(q, k, v)  # [num_seqs, num_heads, max_new, head_dim]
         num_seqs, _, max_new, _ = out.shape
         out = out.transpose(1, 2).reshape(num_seqs, max_new, -1)
         return self.o_proj(out * torch.sigmoid(gate))
 
-    def forward(self, x: Tensor, rotary, batch: ForwardBatch, cache: HybridCache | None) -> Tensor:
+    def forward(self, x: Tensor, rotary, batch: ForwardBatch, cache: HybridCache | None,
+                attention: AttentionMetadata) -> Tensor:
         q, k, v, gate = self.qkv(x, rotary)
         if cache is not None:
             k, v = cache.kv.update(self.layer_index, k, v, batch)
-        return self.attend(q, k, v, gate, None if batch.dense_causal else batch.mask)
+        return self.attend(q, k, v, gate, attention)
 
 
 class Qwen3NextDecoderLayer(nn.Module):
@@ -252,12 +251,12 @@ class Qwen3NextDecoderLayer(nn.Module):
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: Tensor, rotary, batch: ForwardBatch, cache: HybridCache | None,
-                meta: RecurrentMetadata) -> Tensor:
+                meta: RecurrentMetadata, attention: AttentionMetadata) -> Tensor:
         h = self.input_layernorm(x)
         if self.layer_type == LINEAR:
             h = self.linear_attn(h, batch, None if cache is None else cache.recurrent, meta)
         else:
-            h = self.self_attn(h, rotary, batch, cache)
+            h = self.self_attn(h, rotary, batch, cache, attention)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -287,6 +286,11 @@ class Qwen3NextForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.apply(_init)
+        self.attention_backend = get_backend("auto")
+
+    def set_attention_backend(self, name: str) -> None:
+        """How attention runs: "auto", "sdpa", "flex", "flash" or "triton" (`specd.models.attention`)."""
+        self.attention_backend = get_backend(name)
 
     def make_mixer(self, kind: str, ordinal: int) -> nn.Module:
         """The token mixer of a layer of ``kind``; ``ordinal`` counts layers of that kind."""
@@ -322,8 +326,9 @@ class Qwen3NextForCausalLM(nn.Module):
         meta = RecurrentMetadata.build(batch, self.config.linear_conv_kernel_dim, cache is not None)
         x = self.model.embed_tokens(batch.input_ids)
         rotary = rotary_tables(batch.positions, self.config.rotary_dim, self.config.rope_theta, x.dtype)
+        attention = AttentionMetadata.from_batch(batch, self.attention_backend)
         for layer in self.model.layers:
-            x = layer(x, rotary, batch, cache, meta)
+            x = layer(x, rotary, batch, cache, meta, attention)
         return self.model.norm(x)
 
     def forward(self, batch: ForwardBatch, cache: HybridCache | None = None) -> Tensor:

@@ -31,7 +31,9 @@ detached so the loss trains the indexer alone. We use that objective throughout 
 it is added to the training loss through the output's backward (no extra return value).
 
 This is a dense reference implementation: the selection is a boolean mask over the keys and
-SDPA does the work. A GPU kernel would gather the k selected keys (FlashMLA's sparse kernels).
+the model's attention backend does the work with it (`specd.models.attention`: "flash" falls
+back to SDPA for such masks). A GPU kernel would gather the k selected keys (FlashMLA's sparse
+kernels).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from specd.batch import ForwardBatch
+from specd.models.attention import AttentionMetadata
 from specd.models.qwen3_next import (
     LINEAR,
     GatedAttention,
@@ -193,7 +196,8 @@ class SparseAttention(GatedAttention):
         self.loss_weight = config.index_loss_weight
         self.indexer = LightningIndexer(config.hidden_size, config.index_n_heads, config.index_head_dim)
 
-    def forward(self, x: Tensor, rotary, batch: ForwardBatch, cache: HybridCache | None) -> Tensor:
+    def forward(self, x: Tensor, rotary, batch: ForwardBatch, cache: HybridCache | None,
+                attention: AttentionMetadata) -> Tensor:
         q, k, v, gate = self.qkv(x, rotary)
         # The indexer reads a detached input: its only training signal is its own KL loss.
         index_q, index_w = self.indexer.queries(x.detach(), rotary)
@@ -206,7 +210,7 @@ class SparseAttention(GatedAttention):
         visible = batch.mask  # [seqs or 1, new, keys]: context up to the anchor + ancestors
         scores = self.indexer.scores(index_q, index_w, index_k.to(index_q.dtype))
         selected = self.select(scores, visible, key_positions(batch, num_keys))
-        out = self.attend(q, k, v, gate, selected)
+        out = self.attend(q, k, v, gate, attention.with_mask(selected))
         if self.training and torch.is_grad_enabled() and self.loss_weight > 0:
             out = _AttachLoss.apply(out, self.loss_weight * self.indexer_loss(q, k, scores, visible))
         return out
