@@ -55,6 +55,7 @@ from specd._proto.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, trainer_p
 from specd.drafters.base import DraftRequest, SpeculateRequest, check_block_size
 from specd.drafters.d3d import D3DDrafter
 from specd.models.d3d import D3DModel
+from specd.models.attention import BACKENDS
 from specd.models.loading import ModelLoadError, load_model
 from specd.sampling import SamplingParams
 
@@ -76,6 +77,8 @@ class DrafterConfig(ServiceConfig):
     )
     max_budget: int = field(default=32, metadata={"help": "most outcomes (k, c) one Speculate item may ask for"})
     device: str = field(default="cpu", metadata={"help": "torch device of the drafter (cpu, cuda, cuda:1, ...)"})
+    attention_backend: str = field(default="auto", metadata={
+        "help": "how attention runs: auto (flash-attn on CUDA when installed, else sdpa), sdpa, flex, flash, triton"})
     threads: int = field(default=1, metadata={"help": "torch intra-op threads (0 = torch's default, from OMP_NUM_THREADS)"})
     trainer: str = field(default="", metadata={"help": "trainer address for GetCheckpoint (empty = no weight updates)"})
     redis_url: str = field(
@@ -113,6 +116,8 @@ class DrafterConfig(ServiceConfig):
         super().__post_init__()
         if not self.model:
             raise ValueError("model is empty: give --model DIR (a D3D drafter checkpoint directory)")
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {self.attention_backend!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_budget < 0:
@@ -200,11 +205,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         max_num_seqs: int = 64,
         max_budget: int = 32,
         device: str | torch.device = "cpu",
+        attention_backend: str = "auto",
         metrics: DrafterMetrics | None = None,
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_budget = max_budget
         self.device = torch.device(device)
+        self.attention_backend = attention_backend
         self.metrics = metrics or DrafterMetrics()
         self.drafter: D3DDrafter | None = None
         self.version = ""
@@ -222,7 +229,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         not fit the weights being served; the old weights then stay.
         """
         try:
-            model = load_model(directory, device=self.device)
+            model = load_model(directory, device=self.device, attention_backend=self.attention_backend)
             self._check_compatible(model, directory)
         except ModelLoadError as err:
             self.metrics.weight_refused.inc()
@@ -463,7 +470,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         torch.set_num_threads(config.threads)
     servicer = DrafterServicer(
         max_num_seqs=config.max_num_seqs, max_budget=config.max_budget, device=config.device,
-        metrics=DrafterMetrics(prometheus_client.REGISTRY),
+        attention_backend=config.attention_backend, metrics=DrafterMetrics(prometheus_client.REGISTRY),
     )
     # Each open Speculate stream (one per verifier) holds a worker thread for its lifetime.
     server = GrpcServer("specd-drafter", config, max_workers=256)  # also sets up tracing

@@ -38,6 +38,7 @@ from services.verifier.traces import TraceWriter
 from specd._proto.v1 import verifier_pb2, verifier_pb2_grpc
 from specd.data import load_tokenizer
 from specd.engine import EngineConfig
+from specd.models.attention import BACKENDS
 from specd.models.loading import ModelLoadError, load_model
 from specd.serving import FinishedRequest, ServingEngine
 
@@ -73,11 +74,15 @@ class VerifierConfig(ServiceConfig):
     trace_maxlen: int = field(default=100_000, metadata={"help": "approximate bound of the trace stream"})
     threads: int = field(default=0, metadata={"help": "torch intra-op threads (0 = torch's default)"})
     device: str = field(default="cpu", metadata={"help": "torch device of the target (cpu, cuda, cuda:1, ...)"})
+    attention_backend: str = field(default="auto", metadata={
+        "help": "how attention runs: auto (flash-attn on CUDA when installed, else sdpa), sdpa, flex, flash, triton"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.model:
             raise ValueError("--model (SPECD_MODEL) is required: the target model directory")
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {self.attention_backend!r}")
         if self.port == 0:
             self.port = 50051
 
@@ -193,9 +198,9 @@ def main(argv: list[str] | None = None) -> None:
     # for many more than the engine's rows, or streams would wait for a thread before the queue.
     grpc_server = GrpcServer("verifier", config, max_workers=max(256, 4 * config.max_num_seqs))
     try:
-        target = load_model(config.model, device=config.device)
+        target = load_model(config.model, device=config.device, attention_backend=config.attention_backend)
         tokenizer = load_tokenizer(config.tokenizer or config.model)
-    except (ModelLoadError, OSError, ValueError) as err:
+    except (ModelLoadError, OSError, ValueError, RuntimeError) as err:
         sys.exit(f"specd-verifier: cannot load the target: {err}")
 
     drafters = None

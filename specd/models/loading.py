@@ -81,8 +81,11 @@ def load_model(
     *,
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
+    attention_backend: str = "auto",
 ) -> nn.Module:
-    """Build the architecture named in ``config.json`` and load its weights, in eval mode."""
+    """Build the architecture named in ``config.json`` and load its weights, in eval mode, with
+    attention run by ``attention_backend`` (`specd.models.attention`; a property of the machine,
+    not of the checkpoint, so it is chosen here rather than stored in ``config.json``)."""
     directory = Path(directory)
     hf_config = read_config(directory)
     config_class, model_class = architecture(hf_config)
@@ -110,6 +113,8 @@ def load_model(
     model.load_state_dict(state, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         model.lm_head.weight = model.model.embed_tokens.weight
+    if hasattr(model, "set_attention_backend"):
+        model.set_attention_backend(attention_backend)
     return model.eval()
 
 
