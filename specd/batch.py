@@ -35,6 +35,10 @@ class ForwardBatch:
     trees: tuple[TokenTree, ...]  # the trees this batch was built from (state replay needs them)
     cache_lens: Tensor  # [num_seqs] int64 committed context length before this pass
     dense_causal: bool = False  # no cache, equal-length chains: attention may use is_causal
+    scratch_slot: int = -1
+    """>= 0: a static-shape pass (`specd.cuda_graphs`): padding tokens write to this cache slot
+    (one no sequence uses) instead of being skipped, and nothing in the pass reads tensor values
+    on the host, so the pass can be captured in a CUDA graph."""
 
     @property
     def num_seqs(self) -> int:
@@ -55,7 +59,8 @@ class ForwardBatch:
         if num_seqs == 0:
             raise ValueError("a forward batch needs at least one sequence")
         use_cache = cache_lens is not None
-        lens = torch.as_tensor(cache_lens if use_cache else [0] * num_seqs, dtype=torch.long)
+        # Lengths are host-side metadata here (a cache keeps them on its device).
+        lens = torch.as_tensor(cache_lens if use_cache else [0] * num_seqs, dtype=torch.long).cpu()
         num_new = torch.tensor([t.num_nodes for t in trees], dtype=torch.long)
         max_new = max(int(num_new.max()), 1)
         # Keys: with a cache, slots [0, max(cache_len + num_new)); without, the new tokens only.

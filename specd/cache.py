@@ -75,6 +75,8 @@ class KVCache:
     ) -> tuple[Tensor, Tensor]:
         """Write the new keys/values to their slots; return all keys/values the mask covers."""
         num_slots = batch.mask.shape[-1]
+        if batch.scratch_slot >= 0:
+            return self._update_static(layer, keys, values, batch)
         real = batch.write_slots >= 0  # [num_seqs, max_new]
         seq_index, new_index = real.nonzero(as_tuple=True)
         slot_index = batch.write_slots[seq_index, new_index]
@@ -84,6 +86,18 @@ class KVCache:
         cache_v[seq_index, :, slot_index] = values[seq_index, :, new_index].to(cache_v.dtype)
         rows = batch.num_seqs  # the batch covers the first `rows` cache rows
         return cache_k[:rows, :, :num_slots], cache_v[:rows, :, :num_slots]
+
+    def _update_static(self, layer: int, keys: Tensor, values: Tensor, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
+        """`update` without data-dependent shapes (CUDA-graph capturable): every token writes,
+        padding to the batch's scratch slot, which no mask lets anyone read."""
+        num_seqs, num_kv_heads, max_new, head_dim = keys.shape
+        slots = torch.where(batch.write_slots >= 0, batch.write_slots, batch.scratch_slot)  # [num_seqs, max_new]
+        index = slots[:, None, :, None].expand(num_seqs, num_kv_heads, max_new, head_dim)
+        cache_k, cache_v = self.keys[layer][:num_seqs], self.values[layer][:num_seqs]
+        cache_k.scatter_(2, index, keys.to(cache_k.dtype))  # duplicate indices only at the scratch slot
+        cache_v.scatter_(2, index, values.to(cache_v.dtype))
+        num_slots = batch.mask.shape[-1]
+        return cache_k[:, :, :num_slots], cache_v[:, :, :num_slots]
 
     def commit(self, batch: ForwardBatch, paths: Sequence[Sequence[int] | None]) -> None:
         """Keep ``paths[b]`` (root-to-node node indices) of each sequence's tree; see module doc.
@@ -109,6 +123,8 @@ class KVCache:
         """Make room for a batch's writes before the pass (it covers the first rows)."""
         if batch.num_seqs > len(self.lengths):
             raise ValueError(f"the batch has {batch.num_seqs} sequences, the cache {len(self.lengths)} rows")
+        if batch.scratch_slot >= 0:
+            return  # a static pass: its runner checked lengths and room on the host, no sync here
         if bool((batch.cache_lens != self.lengths[: batch.num_seqs]).any()):
             raise ValueError(
                 "the batch was built for other cache lengths than the cache holds: "

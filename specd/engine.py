@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from specd.batch import ForwardBatch
 from specd.cost_model import CostModel
+from specd.cuda_graphs import GraphRunner
 from specd.drafters.base import (
     DraftBlock,
     DrafterUnavailable,
@@ -123,6 +124,10 @@ class EngineConfig:
     drafter_retry_s: float | None = None
     """After the drafter fails: decode plain for this long, then try it again (None = never again,
     right for a one-shot batch; a long-running server sets it so a drafter that comes back is used)."""
+    cuda_graphs: bool = False
+    """Replay the target's decode and verification passes from CUDA graphs at fixed row buckets
+    (`specd.cuda_graphs`; full-attention targets only). Off by default: on the CPU it only runs the
+    same padded static pass eagerly (what the tests check)."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("async", "sync"):
@@ -226,6 +231,10 @@ class SpeculativeEngine:
             check_block_size(self.config.block_size, drafter.max_block)
         self.device = next(target.parameters()).device
         self.cache = target.new_cache(self.config.max_num_seqs)
+        self._graphs = None
+        if self.config.cuda_graphs:
+            # Decode (1) and every verification length the adaptive block can pick (1 + L).
+            self._graphs = GraphRunner(target, self.cache, tokens=tuple(range(1, self.config.block_size + 2)))
         self.cost_model = CostModel()
         self.stats = EngineStats()
         self._pool = ThreadPoolExecutor(max_workers=1) if self.config.mode == "async" else None
@@ -378,8 +387,10 @@ class SpeculativeEngine:
         if getattr(self.drafter, "needs_target_hidden", False):
             self._last_hidden = self.target.hidden_states(batch, self.cache)  # [rows, max_new, hidden]
             logits = self.target.lm_head(self._last_hidden)
+        elif self._graphs is not None:
+            logits = self._graphs(batch)  # [rows, max_new, vocab], replayed where the shape fits
         else:
-            logits = self.target(batch, self.cache)  # [max_num_seqs, max_new, vocab]
+            logits = self.target(batch, self.cache)  # [rows, max_new, vocab]
         out = []
         for seq, block in zip(running, blocks):
             first = len(seq.context) - seq.cached - 1  # the last committed token's column

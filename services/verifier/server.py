@@ -76,6 +76,8 @@ class VerifierConfig(ServiceConfig):
     device: str = field(default="cpu", metadata={"help": "torch device of the target (cpu, cuda, cuda:1, ...)"})
     attention_backend: str = field(default="auto", metadata={
         "help": "how attention runs: auto (flash-attn on CUDA when installed, else sdpa), sdpa, flex, flash, triton"})
+    cuda_graphs: bool = field(default=False, metadata={
+        "help": "replay decode/verification passes from CUDA graphs at fixed row buckets (full-attention targets)"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -222,7 +224,8 @@ def main(argv: list[str] | None = None) -> None:
         target, drafters,
         EngineConfig(max_num_seqs=config.max_num_seqs, block_size=config.block_size if drafters else 0,
                      mode=config.mode, candidate_budget=config.candidate_budget,
-                     adaptive_block=config.adaptive_block, drafter_retry_s=config.drafter_retry_seconds),
+                     adaptive_block=config.adaptive_block, drafter_retry_s=config.drafter_retry_seconds,
+                     cuda_graphs=config.cuda_graphs),
         max_model_len=config.max_model_len or None,
         drafter_version=(lambda: drafters.version) if drafters else (lambda: ""),
         on_finish=on_finish,

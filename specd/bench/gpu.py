@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from specd.batch import ForwardBatch
 from specd.bench.profile import measure_drafter, measure_target
 from specd.kernels import runtime
 from specd.models.d3d import D3DConfig, D3DModel
@@ -213,6 +214,46 @@ def check_nccl(device: torch.device) -> dict:
     return {"backend": backend, "broadcast_1mib_ms": 1e3 * seconds}
 
 
+def check_graphs(device: torch.device, settings: GpuSettings) -> dict:
+    """Decode through captured CUDA graphs (`specd.cuda_graphs`) vs the eager pass: same logits,
+    and the time of each, at batch 1 and 16 after ``context`` cached tokens."""
+    from specd.cuda_graphs import GraphRunner
+    from specd.tree import TokenTree
+
+    model = _build(Qwen3ForCausalLM, settings.target, device, settings.dtype)
+    out = {}
+    for batch in (1, 16):
+        cache = model.new_cache(batch, capacity=settings.context + 64)
+        generator = torch.Generator().manual_seed(batch)
+        prefix = torch.randint(4, settings.target.vocab_size, (batch, settings.context), generator=generator).tolist()
+        fill = ForwardBatch.causal(prefix, [0] * batch, device)
+        model(fill, cache)
+        cache.commit(fill, [list(range(settings.context))] * batch)
+        lengths = cache.lengths.clone()
+        trees = [TokenTree.chain([7], settings.context) for _ in range(batch)]
+        step = ForwardBatch.from_trees(trees, [settings.context] * batch, device)
+        runner = GraphRunner(model, cache, tokens=(1,))
+
+        def eager():
+            cache.rollback(lengths)
+            return model(step, cache)
+
+        def graphed():
+            cache.rollback(lengths)
+            return runner(step)
+
+        with torch.no_grad():
+            difference = float((graphed().float() - eager().float()).abs().max())
+            eager_s = _median_seconds(eager, device, settings.repeats)
+            graph_s = _median_seconds(graphed, device, settings.repeats)
+        if difference > (1e-4 if settings.dtype == torch.float32 else 5e-2):
+            raise AssertionError(f"graph replay differs from the eager pass by {difference:.3g} at batch {batch}")
+        out[f"batch_{batch}"] = {"max_diff": difference, "eager_ms": 1e3 * eager_s, "graph_ms": 1e3 * graph_s,
+                                 "speedup": eager_s / graph_s, "replays": runner.num_replays,
+                                 "captured": runner.eager_static is False}
+    return out
+
+
 # ====================================================================== pass costs
 def _build(model_class, config, device: torch.device, dtype: torch.dtype):
     previous = torch.get_default_dtype()
@@ -276,6 +317,7 @@ def run_all(settings: GpuSettings, acceptance_path: Path) -> dict:
     _step(record, "kernel rejection sampler", lambda: check_rejection(device, settings))
     _step(record, "kernel e2e-tv forward+backward", lambda: check_e2e_tv(device, settings))
     _step(record, "nccl broadcast" if device.type == "cuda" else "gloo broadcast", lambda: check_nccl(device))
+    _step(record, "cuda graphs decode" if device.type == "cuda" else "static decode pass", lambda: check_graphs(device, settings))
     passes = _step(record, "pass costs", lambda: measure_passes(device, settings))
     projection = None
     if passes["ok"]:
@@ -289,6 +331,9 @@ def format_summary(result: dict) -> str:
     for step in result["steps"]:
         if "kernel_ms" in step:
             detail = f"max diff {step['max_diff']:.2g}, kernel {step['kernel_ms']:.3f} ms vs torch {step['torch_ms']:.3f} ms ({step['speedup']:.2f}x)"
+        elif step["ok"] and "batch_16" in step:
+            graphs = step["batch_16"]
+            detail = f"batch 16: eager {graphs['eager_ms']:.2f} ms, graph {graphs['graph_ms']:.2f} ms ({graphs['speedup']:.2f}x)"
         elif not step["ok"]:
             detail = step["error"][:58]
         else:

@@ -105,7 +105,9 @@ class AttentionMetadata:
     def from_batch(batch: ForwardBatch, backend: AttentionBackend) -> AttentionMetadata:
         if batch.dense_causal:
             return AttentionMetadata(backend=backend, mask=None)
-        key_lens = causal_key_lens(batch) if backend.uses_key_lens(batch.mask.device) else None
+        # A static (graph-captured) pass may not sync with the host: it takes the masked path.
+        wants = backend.uses_key_lens(batch.mask.device) and batch.scratch_slot < 0
+        key_lens = causal_key_lens(batch) if wants else None
         return AttentionMetadata(backend=backend, mask=batch.mask, causal_key_lens=key_lens)
 
     def with_mask(self, mask: Tensor) -> AttentionMetadata:
