@@ -54,7 +54,7 @@ class GraphRunner:
     def __init__(self, model: nn.Module, cache: KVCache, *, tokens: tuple[int, ...] = (1,),
                  buckets: tuple[int, ...] = BUCKETS, eager_static: bool = False) -> None:
         if not isinstance(cache, KVCache):
-            raise ValueError(f"CUDA graphs need a plain KV cache (full attention), got {type(cache).__name__}")
+            raise ValueError(f"CUDA graphs need a plain KV cache (full attention), got {type(cache).__name__}")  # noqa: TRY004 (a config error)
         self.model, self.cache = model, cache
         self.tokens = tuple(sorted(set(tokens)))
         self.buckets = tuple(sorted(b for b in set(buckets) if b <= len(cache.lengths)))

@@ -234,11 +234,11 @@ def check_graphs(device: torch.device, settings: GpuSettings) -> dict:
         step = ForwardBatch.from_trees(trees, [settings.context] * batch, device)
         runner = GraphRunner(model, cache, tokens=(1,))
 
-        def eager():
+        def eager(cache=cache, lengths=lengths, step=step):
             cache.rollback(lengths)
             return model(step, cache)
 
-        def graphed():
+        def graphed(cache=cache, lengths=lengths, step=step, runner=runner):
             cache.rollback(lengths)
             return runner(step)
 
