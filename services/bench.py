@@ -58,7 +58,8 @@ DEPLOYMENTS = (
 class ServeSettings:
     concurrency: tuple[int, ...] = (1, 4, 16, 64)
     requests_per_level: int = 0
-    """Requests per concurrency level (0 = max(2 x concurrency, 8))."""
+    """Requests per concurrency level (0 = max(4 x concurrency, 16): a level of a few requests
+    lasts a second, and its tail, where a few requests finish alone, weighs too much)."""
     max_tokens: int = 64
     block_size: int = 8
     max_num_seqs: int = 64
@@ -68,7 +69,7 @@ class ServeSettings:
     deployments: tuple[str, ...] = tuple(d.name for d in DEPLOYMENTS)
 
     def requests(self, concurrency: int) -> int:
-        return self.requests_per_level or max(2 * concurrency, 8)
+        return self.requests_per_level or max(4 * concurrency, 16)
 
 
 @dataclass(kw_only=True)
@@ -96,6 +97,9 @@ class ServeRow:
     """Mean seconds of one target pass in the verifier, measured (ms)."""
     drafter_server_ms: float = 0.0
     """Mean time a replica spent on one round trip (its pass, parsing, queueing), measured."""
+    trace: list[list[int]] = field(default_factory=list)
+    """[prompt tokens, output tokens] of each completed request, in the order they were sent:
+    the workload the simulator replays against this row (`specd.plan.compare`)."""
     drafter_cores: int = 0
     """Distinct CPU cores the drafters were pinned to (0: not pinned): 2:1 on a 2-core machine is
     two drafter processes on one core."""
@@ -124,7 +128,8 @@ def prompts(max_prompt_tokens: int = 96) -> list[list[int]]:
 
 def run_level(send: Callable[[list[int], int], Completion], pool: list[list[int]], concurrency: int,
               requests: int, max_tokens: int) -> tuple[list, float, list[str]]:
-    """A closed loop of ``concurrency`` clients sending ``requests`` requests in all."""
+    """A closed loop of ``concurrency`` clients sending ``requests`` requests in all; the
+    completions come back in the order they were sent."""
     results, errors = [], []
     lock = threading.Lock()
     next_index = iter(range(requests))
@@ -138,7 +143,7 @@ def run_level(send: Callable[[list[int], int], Completion], pool: list[list[int]
             try:
                 result = send(pool[i % len(pool)], max_tokens)
                 with lock:
-                    results.append(result)
+                    results.append((i, result))
             except (OSError, grpc.RpcError) as err:
                 with lock:
                     errors.append(str(err))
@@ -147,7 +152,8 @@ def run_level(send: Callable[[list[int], int], Completion], pool: list[list[int]
     with ThreadPoolExecutor(concurrency) as executor:
         for future in [executor.submit(client) for _ in range(concurrency)]:
             future.result()
-    return results, time.perf_counter() - start, errors
+    results.sort(key=lambda item: item[0])  # the order they were sent
+    return [r for _, r in results], time.perf_counter() - start, errors
 
 
 def bench_serve(settings: ServeSettings, target: str, drafter: str) -> list[ServeRow]:
@@ -232,6 +238,7 @@ def _row(deployment: Deployment, concurrency: int, results: list, seconds: float
         hit_rate=delta("specd:spec_decode_num_candidate_hits_total") / lookups if lookups else 0.0,
         blocking_drafter_calls=int(delta("specd:num_drafter_blocking_calls_total")),
         target_passes=int(delta("specd:num_target_passes_total")), errors=errors,
+        trace=[[r.prompt_tokens, r.completion_tokens] for r in results],
         drafter_round_trips=int(round_trips),
         transport_ms=1e3 * delta("specd:drafter_transport_seconds_total") / round_trips if round_trips else 0.0,
         drafter_server_ms=1e3 * delta("specd:drafter_server_seconds_total") / round_trips if round_trips else 0.0,

@@ -85,7 +85,7 @@ def measure_verifier_serving(target_dir: str, pool: list[list[int]], *, levels: 
     config = StackConfig(target=target_dir, drafter="", drafters=0, verifiers=1, trainer=False, pin=pin,
                          max_num_seqs=max_num_seqs, **_ports())
     out: dict[str, list] = {"concurrency": [], "requests": [], "rows": [], "passes": [], "target_seconds": [],
-                            "overhead_seconds": [], "tokens_per_s": []}
+                            "overhead_seconds": [], "tokens_per_s": [], "trace": []}
     with Stack(config) as stack, _clients_off_verifier_cores(stack):
         base = stack.verifiers[0].http
         send = _sender("http", stack, Path(target_dir).name)
@@ -93,7 +93,7 @@ def measure_verifier_serving(target_dir: str, pool: list[list[int]], *, levels: 
         for concurrency in levels:
             if progress is not None:
                 progress.set_postfix_str(f"verifier serving c={concurrency}")
-            requests = max(2 * concurrency, 8)
+            requests = max(4 * concurrency, 16)  # as `specd bench serve` sends them
             before = metrics(base)
             results, seconds, errors = run_level(send, pool, concurrency, requests, max_tokens)
             after = metrics(base)
@@ -111,6 +111,7 @@ def measure_verifier_serving(target_dir: str, pool: list[list[int]], *, levels: 
             out["target_seconds"].append(target / passes)
             out["overhead_seconds"].append((step - target) / passes)
             out["tokens_per_s"].append(sum(r.completion_tokens for r in results) / seconds)
+            out["trace"].append([[r.prompt_tokens, r.completion_tokens] for r in results])
             if progress is not None:
                 progress.update()
     return out

@@ -237,6 +237,19 @@ def measure_acceptance(target: nn.Module, drafter_model: nn.Module, prompts: lis
     }
 
 
+@torch.no_grad()
+def measure_plain_overhead(target: nn.Module, prompts: list[list[int]], *, batch: int, max_tokens: int) -> float:
+    """The engine's seconds per step outside target passes when it decodes plain (no drafter):
+    what speculation adds per step is the async run's overhead minus this."""
+    engine = SpeculativeEngine(target, None, EngineConfig(max_num_seqs=batch, block_size=0))
+    stop = tuple(getattr(target.config, "stop_token_ids", ()))
+    try:
+        engine.generate(prompts, [SamplingParams(max_tokens=max_tokens, stop_token_ids=stop)] * len(prompts))
+    finally:
+        engine.close()
+    return engine.stats.overhead_per_step
+
+
 @dataclass(kw_only=True, slots=True)
 class ProfileSettings:
     batches: tuple[int, ...] = TARGET_BATCHES
@@ -297,12 +310,15 @@ def measure_profile(target: nn.Module, drafter_model: nn.Module, prompts: list[l
                 drafter_model, settings.batches, block_size=settings.block_size, speculate_blocks=speculate_blocks,
                 budgets=settings.budgets, tails=settings.tails, context=settings.context, repeats=settings.repeats,
                 progress=progress)
-            progress.total = progress.n + len(settings.acceptance_batches) + len(settings.extra_blocks)  # dupes dropped
-            runs = []
+            progress.total = progress.n + 2 * len(settings.acceptance_batches) + len(settings.extra_blocks)  # dupes dropped
+            runs, plain = [], []
             for batch in settings.acceptance_batches:
                 progress.set_postfix_str(f"engine run batch {batch} block {settings.block_size}")
                 runs.append(measure_acceptance(target, drafter_model, prompts, block_size=settings.block_size,
                                                batch=batch, max_tokens=settings.max_tokens))
+                progress.update()
+                progress.set_postfix_str(f"plain engine run batch {batch}")
+                plain.append(measure_plain_overhead(target, prompts, batch=batch, max_tokens=settings.max_tokens))
                 progress.update()
             by_block = {}
             for block in settings.extra_blocks:
@@ -316,10 +332,9 @@ def measure_profile(target: nn.Module, drafter_model: nn.Module, prompts: list[l
     main_run = runs[-1]
     by_block[str(settings.block_size)] = {k: main_run[k] for k in ("acceptance_per_pos", "hit_rate", "tau")}
     # Engine overhead per step = step_seconds + seq_seconds * running sequences (a line through the runs).
-    step_s, seq_s = main_run["overhead_per_step"], 0.0
-    if len(runs) > 1 and runs[-1]["batch"] != runs[0]["batch"]:
-        seq_s = max((runs[-1]["overhead_per_step"] - runs[0]["overhead_per_step"]) / (runs[-1]["batch"] - runs[0]["batch"]), 0.0)
-        step_s = max(runs[0]["overhead_per_step"] - seq_s * runs[0]["batch"], 0.0)
+    batches = [run["batch"] for run in runs]
+    step_s, seq_s = _line(batches, [run["overhead_per_step"] for run in runs])
+    plain_step_s, plain_seq_s = _line(batches, plain)
     return {
         "version": SCHEMA_VERSION,
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
@@ -339,7 +354,8 @@ def measure_profile(target: nn.Module, drafter_model: nn.Module, prompts: list[l
         "candidate_budget": 4,
         "by_block": dict(sorted(by_block.items(), key=lambda kv: int(kv[0]))),
         "rpc_seconds": settings.rpc_seconds,
-        "overhead": {"step_seconds": step_s, "seq_seconds": seq_s},
+        "overhead": {"step_seconds": step_s, "seq_seconds": seq_s, "plain_step_seconds": plain_step_s,
+                     "plain_seq_seconds": plain_seq_s},
         "padded_rows": True,
         "workload": {"prompt_tokens": [len(p) for p in prompts], "output_tokens": main_run["output_tokens"],
                      "max_tokens": settings.max_tokens},
@@ -352,9 +368,10 @@ def measure_services(profile: dict, settings: ProfileSettings, target_dir: str, 
     drafter tables become round trips through a replica (the bare passes stay as ``drafter_pass``
     and ``speculate_pass``), and ``serving.verifier`` gets a plain verifier's step overhead and
     in-service pass cost by rows. The pass's in-service cost is a ratio: the measured mean pass
-    over the simulator's mean pass for the same level (same prompts, outputs, closed loop)."""
+    over the simulator's mean pass for the same level (the same requests replayed in the same
+    order by the same closed loop)."""
     from services import calibrate  # the services need gRPC & co.; the in-process part does not
-    from specd.plan.sim import Lengths, SimConfig, Workload, simulate
+    from specd.plan.sim import Lengths, SimConfig, TraceRequest, Workload, simulate
 
     points = len(settings.batches) * (len(settings.tails) + len(settings.budgets) * (1 + len(settings.extra_blocks)))
     with tqdm(total=points + len(levels), desc="bench profile: services", unit="point") as progress:
@@ -370,17 +387,26 @@ def measure_services(profile: dict, settings: ProfileSettings, target_dir: str, 
     prompt_lengths = Lengths.parse(profile["workload"]["prompt_tokens"])
     outputs = Lengths.parse([min(n, settings.max_tokens) for n in profile["workload"]["output_tokens"]])
     scale = []
-    for concurrency, requests, measured in zip(verifier["concurrency"], verifier["requests"], verifier["target_seconds"]):
-        simulated = [simulate(bare, SimConfig(mode="plain", drafters=0, block_size=0, max_num_seqs=64, seed=seed),
-                              Workload(requests=requests, concurrency=concurrency, prompt_tokens=prompt_lengths,
-                                       output_tokens=outputs)).target_seconds_per_pass for seed in range(3)]
-        scale.append(round(measured / statistics.mean(simulated), 4))
+    for concurrency, trace, measured in zip(verifier["concurrency"], verifier["trace"], verifier["target_seconds"]):
+        requests = [TraceRequest(arrival_s=None, prompt_tokens=p, output_tokens=max(o, 1)) for p, o in trace]
+        simulated = simulate(bare, SimConfig(mode="plain", drafters=0, block_size=0, max_num_seqs=64),
+                             Workload(requests=len(requests), concurrency=concurrency, trace=requests,
+                                      prompt_tokens=prompt_lengths, output_tokens=outputs))
+        scale.append(round(measured / simulated.target_seconds_per_pass, 4))
     verifier["target_scale"] = scale
     order = sorted(range(len(verifier["rows"])), key=verifier["rows"].__getitem__)
     profile["serving"] = {"drafter_round_trips": True,
                           "verifier": {k: [v[i] for i in order] for k, v in verifier.items()}}
     profile["notes"] += ("; drafter tables: round trips through a drafter replica from another process (loopback "
                          "gRPC included); serving.verifier: a plain verifier service under closed-loop HTTP load")
+
+
+def _line(batches: list[int], seconds: list[float]) -> tuple[float, float]:
+    """(per step, per running sequence) through two engine runs' overhead per step (first, last)."""
+    if len(batches) < 2 or batches[-1] == batches[0]:
+        return seconds[-1], 0.0
+    per_seq = max((seconds[-1] - seconds[0]) / (batches[-1] - batches[0]), 0.0)
+    return max(seconds[0] - per_seq * batches[0], 0.0), per_seq
 
 
 def format_profile(profile: dict) -> str:
@@ -411,6 +437,9 @@ def format_profile(profile: dict) -> str:
         for rows, overhead, scale in zip(verifier["rows"], verifier["overhead_seconds"], verifier["target_scale"]):
             lines.append(f"  rows {rows:5.1f}: overhead {1000 * overhead:6.2f} ms/step, pass x{scale:.2f}")
     overhead = profile.get("overhead", {})
+    if "plain_step_seconds" in overhead:
+        lines.append(f"engine overhead decoding plain: {1000 * overhead['plain_step_seconds']:.2f} ms/step + "
+                     f"{1000 * overhead['plain_seq_seconds']:.3f} ms/sequence")
     lines.append(f"engine overhead: {1000 * overhead.get('step_seconds', 0):.2f} ms/step + "
                  f"{1000 * overhead.get('seq_seconds', 0):.3f} ms/sequence; rpc {1000 * profile.get('rpc_seconds', 0):.2f} ms")
     return "\n".join(lines)

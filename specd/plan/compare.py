@@ -4,9 +4,9 @@
 "sync 2:1", "async 1:1", ... — drafters:verifiers, one verifier) and concurrency, the requests
 it completed, output tokens/s, TTFT/TPOT percentiles, τ and hit rate. `compare_serve` simulates
 every row under the same settings (block size, verifier rows, closed loop of the same
-concurrency and request count) with the profile's costs and workload (prompt lengths; output
-lengths capped at the run's ``max_tokens``), averages a few seeds (a level of a few requests is
-noisy), and reports simulated / measured. From the run's JSON come the cores its drafters were
+concurrency) on the same workload — the row's ``trace`` of (prompt, output) lengths in the order
+the run sent them; older runs without one get the profile's length distributions — averages a
+few seeds (acceptance draws), and reports simulated / measured. From the run's JSON come the cores its drafters were
 pinned to (``drafter_cores``: two drafter processes on one core are one drafter's worth of
 compute) and, only for a profile of bare drafter passes (``--no-services``), the drafter round
 trip's transport time it measured (``transport_ms``, instead of ``rpc_seconds``; a full profile
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specd.plan.profile import Profile
-from specd.plan.sim import Lengths, SimConfig, Workload, simulate
+from specd.plan.sim import Lengths, SimConfig, TraceRequest, Workload, simulate
 
 _DEPLOYMENT = re.compile(r"^(sync|async) (\d+):(\d+)$")
 
@@ -92,11 +92,17 @@ def compare_serve(profile: Profile, serve: dict, *, seeds: int = 3, use_measured
             config.rpc_seconds = float(row["transport_ms"]) / 1e3
         if use_measured_hits and config.mode == "async":
             config.hit_rate = float(row.get("hit_rate", 0.0))
+        trace = None
+        if row.get("trace"):
+            # The run's own requests, in the order it sent them: greedy output is the same in every
+            # deployment (lossless), so the workload is an input here, not a result.
+            trace = [TraceRequest(arrival_s=None, prompt_tokens=int(p), output_tokens=max(int(o), 1))
+                     for p, o in row["trace"]]
         results = []
         for seed in range(seeds):
             config.seed = seed
             workload = Workload(requests=int(row["requests"]), concurrency=int(row["concurrency"]),
-                                prompt_tokens=prompts, output_tokens=outputs)
+                                prompt_tokens=prompts, output_tokens=outputs, trace=trace)
             results.append(simulate(profile, config, workload))
         mean = {name: float(np.mean([getattr(r, name) for r in results]))
                 for name in ("tokens_per_s", "tpot_p50", "ttft_p50", "tau", "target_seconds_per_pass",

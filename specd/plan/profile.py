@@ -23,7 +23,8 @@ Schema (``version`` 1; fields marked * are required):
       "candidate_budget": 4,               outcomes drafted ahead per sequence when measured
       "by_block": {"4": {"acceptance_per_pos": [...], "hit_rate": 0.7}, ...},   optional
       "rpc_seconds": 0.0005,               one drafter round trip's fixed cost
-      "overhead": {"step_seconds": 0.001, "seq_seconds": 0.0001},
+      "overhead": {"step_seconds": 0.001, "seq_seconds": 0.0001,   the engine's, speculating
+                   "plain_step_seconds": ..., "plain_seq_seconds": ...},   and decoding plain
       "padded_rows": true,                 each busy row is padded to the longest (specd's engine);
                                            false: the rows' real tokens only (packed)
       "serving": {"drafter_round_trips": true,   the drafter tables hold whole round trips through
@@ -145,6 +146,9 @@ class Profile:
     rpc_seconds: float = 0.0005
     step_overhead_s: float = 0.0
     seq_overhead_s: float = 0.0
+    plain_step_overhead_s: float | None = None
+    """The engine's overhead decoding plain (no drafter); None: not measured."""
+    plain_seq_overhead_s: float | None = None
     padded_rows: bool = True
     serving: Serving | None = None
     drafter_round_trips: bool = False
@@ -299,6 +303,10 @@ def parse_profile(data: Any, *, source: str = "profile") -> Profile:
         rpc_seconds=number("rpc_seconds", data.get("rpc_seconds", 0.0005), 0.0, 10.0),
         step_overhead_s=number("overhead.step_seconds", overhead.get("step_seconds", 0.0), 0.0, 10.0),
         seq_overhead_s=number("overhead.seq_seconds", overhead.get("seq_seconds", 0.0), 0.0, 10.0),
+        plain_step_overhead_s=(number("overhead.plain_step_seconds", overhead["plain_step_seconds"], 0.0, 10.0)
+                               if "plain_step_seconds" in overhead else None),
+        plain_seq_overhead_s=(number("overhead.plain_seq_seconds", overhead["plain_seq_seconds"], 0.0, 10.0)
+                              if "plain_seq_seconds" in overhead else None),
         padded_rows=bool(data.get("padded_rows", True)), serving=serving, drafter_round_trips=round_trips,
         prompt_tokens=lengths["prompt_tokens"], output_tokens=lengths["output_tokens"],
         notes=notes if isinstance(notes, str) else json.dumps(notes), raw=data,

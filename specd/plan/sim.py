@@ -12,12 +12,16 @@ It models what the services do, step by step, with costs from a profile (`specd.
   ``target(running, mean tokens per row)``, the same total tokens. Then the step's time outside
   the pass. Where the profile measured a verifier service (``serving.verifier``, by mean rows
   per pass), the pass costs the table times the service's measured in-service ratio and the
-  step adds the service's measured overhead (admission, sampling, streaming deltas to clients);
-  otherwise the engine's in-process line ``step_seconds + seq_seconds * rows``.
+  step adds the service's measured overhead (admission, sampling, streaming deltas to clients)
+  plus, when speculating, what speculation adds to the engine's step in process (verification,
+  candidate bookkeeping: its speculating overhead line minus its plain one); otherwise the
+  engine's in-process line ``step_seconds + seq_seconds * rows``.
 - **Blocks.** ``L`` is the configured block, or with ``adaptive_block`` (the verifier's default)
-  the length maximising expected committed tokens per second, ``(1 + sum_{i<L} a_i) / target(rows,
-  1 + L)`` — what `specd.cost_model.CostModel` converges to when the drafter's confidence is
-  calibrated — except every ``explore_every``-th step, which verifies the full block.
+  what the engine's own `specd.cost_model.CostModel` picks, one per verifier, fed as the engine
+  feeds it: each pass's simulated seconds against ``1 + L`` tokens per row (prefill padding
+  included, as the engine times it), each sequence's accepted length against its predicted one,
+  with the profile's acceptance per position standing in for the drafter's confidence. It
+  verifies the full block every ``explore_every``-th step.
 - **Accepted length** ``k`` per sequence per step is drawn from the profile's acceptance per
   position ``a_i = P(positions 0..i accepted)``: ``P(k >= i + 1) = a_i``, i.e. the conditional
   ``P(accept i | all before) = a_i / a_{i-1}``. The step commits ``k + 1`` tokens (fewer at the
@@ -63,6 +67,7 @@ from pathlib import Path
 import numpy as np
 import simpy
 
+from specd.cost_model import CostModel
 from specd.plan.profile import Profile
 
 MODES = ("async", "sync", "plain")
@@ -278,9 +283,9 @@ class _Drafter:
 
 
 class _Verifier:
-    __slots__ = ("busy", "index", "lengths", "placed", "running", "steps", "waiting", "wake")
+    __slots__ = ("busy", "cost", "index", "placed", "running", "steps", "waiting", "wake")
 
-    def __init__(self, index: int, num_drafters: int) -> None:
+    def __init__(self, index: int, num_drafters: int, explore_every: int) -> None:
         self.index = index
         self.waiting: deque[_Request] = deque()
         self.running: list[_Seq] = []
@@ -288,7 +293,7 @@ class _Verifier:
         self.steps = 0
         self.busy = 0.0
         self.placed = [0] * num_drafters  # this verifier's live sequences per drafter replica
-        self.lengths: dict[int, int] = {}  # rows -> adaptive block length
+        self.cost = CostModel(explore_every=explore_every)  # the engine's block chooser
 
 
 class Simulation:
@@ -306,7 +311,8 @@ class Simulation:
         self.cumulative = np.concatenate([[0.0], np.cumsum(self.acceptance)])  # expected accepted for L
         self.hit_rate = config.hit_rate if config.hit_rate is not None else profile.hit_rate_for(block)
         self.group = profile.group_size(block) if block else 0
-        self.verifiers = [_Verifier(i, config.drafters) for i in range(config.verifiers)]
+        self.verifiers = [_Verifier(i, config.drafters, config.explore_every) for i in range(config.verifiers)]
+        self.confidence = self.acceptance.tolist()
         self.drafters = [_Drafter(self.env, i) for i in range(config.drafters if self.speculative else 0)]
         self.finished: list[_Request] = []
         self.target_seconds = self.overhead_seconds = 0.0
@@ -381,6 +387,8 @@ class Simulation:
             cost = self.profile.target(rows, tokens)
             if self.profile.serving is not None:
                 cost *= self.profile.serving.scale(rows)
+            if self.speculative:
+                v.cost.observe_pass(rows, length + 1, cost)
             self.target_seconds += cost
             target = env.timeout(cost)
             if self.speculative and config.mode == "async":
@@ -395,11 +403,17 @@ class Simulation:
             v.busy += env.now - start
 
     def _overhead(self, rows: int) -> float:
-        """A step's time outside its pass: the verifier service's, measured by rows, where the
-        profile has it; else the engine's in-process line."""
-        if self.profile.serving is not None:
-            return self.profile.serving.overhead(rows)
-        return self.profile.step_overhead_s + self.profile.seq_overhead_s * rows
+        """A step's time outside its pass. Where the profile measured a verifier service (plain),
+        that by rows, plus — when speculating — what speculation adds to the engine's step in
+        process (its speculating line minus its plain one); else the engine's in-process line."""
+        p = self.profile
+        if p.serving is None:
+            return p.step_overhead_s + p.seq_overhead_s * rows
+        overhead = p.serving.overhead(rows)
+        if self.speculative and p.plain_step_overhead_s is not None:
+            extra = (p.step_overhead_s - p.plain_step_overhead_s) + (p.seq_overhead_s - (p.plain_seq_overhead_s or 0.0)) * rows
+            overhead += max(extra, 0.0)
+        return overhead
 
     def _admit(self, v: _Verifier, request: _Request) -> None:
         seq = _Seq(request)
@@ -413,14 +427,9 @@ class Simulation:
         v.running.append(seq)
 
     def _verify_length(self, v: _Verifier, rows: int) -> int:
-        block = self.config.block_size
-        if not self.config.adaptive_block or v.steps % self.config.explore_every == 1:
-            return block
-        length = v.lengths.get(rows)
-        if length is None:
-            rates = [(1 + self.cumulative[n]) / self.profile.target(rows, n + 1) for n in range(block + 1)]
-            length = v.lengths[rows] = int(np.argmax(rates))
-        return length
+        if not self.config.adaptive_block:
+            return self.config.block_size
+        return v.cost.choose_length([self.confidence] * rows, self.config.block_size)
 
     def _commit(self, v: _Verifier, length: int) -> None:
         running = v.running
@@ -434,6 +443,10 @@ class Simulation:
         self.passes += 1
         self.pass_seqs += num
         self.accepted += int(accepted.sum())
+        if length and self.config.adaptive_block:
+            predicted = float(self.cumulative[length])
+            for k in accepted.tolist():
+                v.cost.observe_acceptance(predicted, k)
         keep = []
         for seq, k, hit in zip(running, accepted.tolist(), hits.tolist()):
             request = seq.request

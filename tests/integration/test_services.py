@@ -232,7 +232,8 @@ def test_bench_profile_times_the_drafter_through_a_replica_and_the_verifier_in_s
         assert [len(row) for row in data[name]["seconds"]] == [len(row) for row in bare[name]["seconds"]]
         assert data[name]["seconds"] != bare[name]["seconds"]  # ... the round trips, measured anew
     verifier = data["serving"]["verifier"]
-    assert verifier["concurrency"] == [1, 4] and verifier["requests"] == [8, 8]
+    assert verifier["concurrency"] == [1, 4] and verifier["requests"] == [16, 16]
+    assert [len(t) for t in verifier["trace"]] == [16, 16]  # (prompt, output) per request, replayed by the sim
     # One client: every pass has exactly one row. Four: never more than four.
     assert verifier["rows"][0] == pytest.approx(1.0) and 1.0 < verifier["rows"][1] <= 4.0
     assert all(s > 0 for s in verifier["target_scale"]) and all(s >= 0 for s in verifier["overhead_seconds"])
