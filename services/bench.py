@@ -191,19 +191,24 @@ def bench_serve(settings: ServeSettings, target: str, drafter: str) -> list[Serv
 
 
 @contextlib.contextmanager
-def _clients_off_verifier_cores(stack: Stack):
-    """The load generator (this process's client threads) stays off the verifiers' cores where
-    there are others: the client's work would otherwise slow the very passes being measured."""
-    cores = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set()
-    others = cores - {v.core for v in stack.verifiers if v.core is not None}
-    if not others or others == cores:
+def off_cores(cores: set[int | None]):
+    """This process (the load generator, the measuring client) stays off ``cores`` (the
+    services') where the machine has others: its work would otherwise slow the very passes
+    being measured."""
+    mine = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set()
+    others = mine - cores
+    if not others or others == mine:
         yield
         return
     os.sched_setaffinity(0, others)
     try:
         yield
     finally:
-        os.sched_setaffinity(0, cores)
+        os.sched_setaffinity(0, mine)
+
+
+def _clients_off_verifier_cores(stack: Stack):
+    return off_cores({v.core for v in stack.verifiers})
 
 
 def _sender(client: str, stack: Stack, model: str) -> Callable[[list[int], int], Completion]:

@@ -22,15 +22,12 @@ starts (`services.up.Stack`, pinned to cores the same way):
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from services.bench import _clients_off_verifier_cores, _sender, run_level
+from services.bench import _clients_off_verifier_cores, _sender, off_cores, run_level
 from services.client import metrics
 from services.common.config import ServiceConfig
 from services.up import Stack, StackConfig, free_port
@@ -45,27 +42,12 @@ def _ports() -> dict[str, int]:
     return {"verifier_http_port": free_port(), "verifier_grpc_port": free_port(), "drafter_port": free_port()}
 
 
-@contextlib.contextmanager
-def _off_cores(cores: set[int | None]) -> Iterator[None]:
-    """This process stays off ``cores`` (the services') where the machine has others."""
-    mine = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set()
-    others = mine - cores
-    if not others or others == mine:
-        yield
-        return
-    os.sched_setaffinity(0, others)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, mine)
-
-
 def measure_drafter_service(drafter_dir: str, model: torch.nn.Module, settings: ProfileSettings, *,
                             pin: bool = True, progress: tqdm | None = None) -> tuple[CostTable, CostTable, list[dict]]:
     """The Draft and Speculate tables through one drafter replica (module docstring)."""
     config = StackConfig(target="", drafter=drafter_dir, drafters=1, verifiers=0, trainer=False, pin=pin,
                          drafter_args=["--max-num-seqs", str(max(settings.batches))], **_ports())
-    with Stack(config) as stack, _off_cores({s.core for s in stack.drafters}):
+    with Stack(config) as stack, off_cores({s.core for s in stack.drafters}):
         pool = RemoteDrafters([stack.drafters[0].grpc], ServiceConfig(), timeout=60.0)
         try:
             return measure_drafter(
