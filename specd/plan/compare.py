@@ -7,8 +7,8 @@ every row under the same settings (block size, verifier rows, closed loop of the
 concurrency) on the same workload — the row's ``trace`` of (prompt, output) lengths in the order
 the run sent them; older runs without one get the profile's length distributions — averages a
 few seeds (acceptance draws), and reports simulated / measured. From the run's JSON come the cores its drafters were
-pinned to (``drafter_cores``: two drafter processes on one core are one drafter's worth of
-compute) and, only for a profile of bare drafter passes (``--no-services``), the drafter round
+pinned to (``drafter_cores``: two drafter processes on one core take turns on it, each pass
+paying its own fixed cost) and, only for a profile of bare drafter passes (``--no-services``), the drafter round
 trip's transport time it measured (``transport_ms``, instead of ``rpc_seconds``; a full profile
 times the drafter through a replica, transport included). ``use_measured_hits`` takes each row's measured hit
 rate instead of the profile's, to tell cost-model error from acceptance error.
@@ -84,9 +84,8 @@ def compare_serve(profile: Profile, serve: dict, *, seeds: int = 3, use_measured
             continue  # a level that completed nothing has nothing to compare
         config = deployment_config(row["deployment"], settings)
         if row.get("drafter_cores"):
-            # Drafter processes pinned to fewer cores than there are processes share them: as
-            # compute they are that many replicas.
-            config.drafters = min(config.drafters, int(row["drafter_cores"]))
+            # Drafter processes pinned to fewer cores than there are processes take turns on them.
+            config.drafter_devices = min(config.drafters, int(row["drafter_cores"]))
         if row.get("transport_ms") and not profile.drafter_round_trips:
             # Bare passes in the profile: the round trip's transport as the run measured it.
             config.rpc_seconds = float(row["transport_ms"]) / 1e3

@@ -33,7 +33,10 @@ It models what the services do, step by step, with costs from a profile (`specd.
   **sync**: every step waits for a Draft round trip of every sequence before its pass.
   **plain**: one token per pass, no drafter.
 - **Drafters** (``drafters`` replicas) run one packed pass at a time, first come first served
-  (the drafter service's lock). A call's part for one replica costs ``drafter(rows, tokens)``
+  (the drafter service's lock). With ``drafter_devices`` set, the replicas share that many devices
+  (replica i runs on device i mod n; a device runs one pass at a time): two replica processes on
+  one CPU core, or on one GPU, split a step into two passes that take turns, each paying its own
+  fixed cost — where one replica would have run one pass over both parts. A call's part for one replica costs ``drafter(rows, tokens)``
   for a Draft and ``speculate(rows, tokens)`` for a Speculate over the part's sequences, padded
   to the longest row or packed (the mean) like the target. A row's
   tokens: Draft ``tail + g`` (tail = the prompt for a new sequence, 1 after an async miss — the
@@ -88,6 +91,8 @@ class SimConfig:
     max_num_seqs: int = 16
     """Verifier rows (--max-num-seqs)."""
     candidate_budget: int = 4
+    drafter_devices: int = 0
+    """Devices the drafter replicas share (0: one each); replica i runs on device i mod n."""
     adaptive_block: bool = True
     explore_every: int = 16
     padded_rows: bool | None = None
@@ -112,6 +117,8 @@ class SimConfig:
             raise ValueError(f"block_size must be >= 1 with a drafter, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if self.drafter_devices < 0:
+            raise ValueError(f"drafter_devices must be >= 0 (0: one device per replica), got {self.drafter_devices}")
         if self.hit_rate is not None and not 0.0 <= self.hit_rate <= 1.0:
             raise ValueError(f"hit_rate must be in [0, 1], got {self.hit_rate}")
 
@@ -276,10 +283,11 @@ class _Seq:
 
 
 class _Drafter:
-    __slots__ = ("busy", "index", "lock")
+    __slots__ = ("busy", "device", "index", "lock")
 
-    def __init__(self, env: simpy.Environment, index: int) -> None:
+    def __init__(self, env: simpy.Environment, index: int, device: simpy.Resource | None) -> None:
         self.index, self.lock, self.busy = index, simpy.Resource(env, capacity=1), 0.0
+        self.device = device  # shared with other replicas, or None: its own
 
 
 class _Verifier:
@@ -313,7 +321,9 @@ class Simulation:
         self.group = profile.group_size(block) if block else 0
         self.verifiers = [_Verifier(i, config.drafters, config.explore_every) for i in range(config.verifiers)]
         self.confidence = self.acceptance.tolist()
-        self.drafters = [_Drafter(self.env, i) for i in range(config.drafters if self.speculative else 0)]
+        num_drafters = config.drafters if self.speculative else 0
+        shared = [simpy.Resource(self.env, capacity=1) for _ in range(config.drafter_devices)]
+        self.drafters = [_Drafter(self.env, i, shared[i % len(shared)] if shared else None) for i in range(num_drafters)]
         self.finished: list[_Request] = []
         self.target_seconds = self.overhead_seconds = 0.0
         self.passes = self.pass_seqs = self.accepted = self.committed = self.lookups = self.hits = self.blocking = 0
@@ -500,8 +510,14 @@ class Simulation:
             cost = self.profile.speculate(rows, length + self.config.candidate_budget * (1 + self.group))
         with replica.lock.request() as turn:
             yield turn
-            replica.busy += cost
-            yield env.timeout(cost)
+            if replica.device is None:
+                replica.busy += cost
+                yield env.timeout(cost)
+            else:
+                with replica.device.request() as device:
+                    yield device
+                    replica.busy += cost
+                    yield env.timeout(cost)
         if self.hop:
             yield env.timeout(self.hop)
 

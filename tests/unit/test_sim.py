@@ -186,3 +186,25 @@ def test_thousands_of_requests_on_dozens_of_replicas_take_seconds():
     print(f"3000 requests, 36 replicas: {seconds:.2f} s of wall time, {result.tokens_per_s:.0f} tokens/s simulated")
     assert result.requests == 3000
     assert seconds < 30
+
+
+def test_replicas_sharing_one_device_take_turns_and_pay_each_pass_s_fixed_cost():
+    """Sync mode, 4 sequences spread 2 + 2 over two replicas, a Draft pass of 3 ms + 1 ms per row:
+    on their own devices the parts run side by side (5 ms); on one device they take turns (10 ms),
+    where a single replica would have run one pass over all four rows (7 ms)."""
+    target = 0.010
+    prof = profile(drafter=lambda b, t: 0.003 + 0.001 * b)
+    workload = closed(4, 16, output=4096)
+    config = {"mode": "sync", "max_num_seqs": 4, "block_size": 8, "adaptive_block": False}
+    tau = tau_of(prof.acceptance_per_pos, 8)
+    steps = {}
+    for name, extra in {"own": {"drafters": 2}, "shared": {"drafters": 2, "drafter_devices": 1},
+                        "one": {"drafters": 1}}.items():
+        result = simulate(prof, SimConfig(**config, **extra), workload)
+        steps[name] = 4 * tau / result.tokens_per_s - target
+        print(f"{name}: drafter part of a step {1e3 * steps[name]:.2f} ms")
+    assert steps["own"] == pytest.approx(0.005, rel=0.05)
+    assert steps["shared"] == pytest.approx(0.010, rel=0.05)
+    assert steps["one"] == pytest.approx(0.007, rel=0.05)
+    with pytest.raises(ValueError, match="drafter_devices"):
+        SimConfig(drafter_devices=-1)
