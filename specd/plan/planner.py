@@ -1,14 +1,28 @@
 """`specd plan`: how many drafters per verifier, and which block length, for a GPU budget.
 
-For a budget of ``gpus`` (a verifier replica takes ``gpus_per_verifier``, a drafter replica
-``gpus_per_drafter``), the planner simulates (`specd.plan.sim`) every drafter:verifier split
+For a budget of ``gpus`` less the trainer's ``trainer_gpus`` (a verifier replica takes
+``tensor_parallel`` GPUs, a drafter replica ``gpus_per_drafter``), the planner simulates
+(`specd.plan.sim`) every drafter:verifier split
 the budget allows — all of them up to 16 verifier replicas, else a list of ratios, or the
 ``--ratios`` given — at every block length, plus plain decoding on the whole budget, under
 the same load. It prints the table and picks the highest tokens/s, optionally among the splits
 whose TPOT p99 meets ``--tpot-slo-ms`` (under open-loop arrivals, where every split that keeps
 up serves the same tokens/s: the lowest TPOT p99 within 2% of the best). It writes a Helm values
 override for the chart (`deploy/k8s/specd`: ``drafter.replicas``, ``verifier.replicas``,
-``verifier.extraArgs``) and a PNG of throughput against the ratio, per block and per load level.
+``verifier.tensorParallel``, ``verifier.extraArgs``, and with trainer GPUs ``trainer.dataParallel``)
+and a PNG of throughput against the ratio, per block and per load level.
+
+Tensor parallelism. A verifier of N ranks is one replica on N GPUs (``--tensor-parallel``, which
+also replaces the older ``--gpus-per-verifier``: a replica's GPUs are its ranks). The profile's
+target table is one GPU's; an N-rank pass costs the table times the profile's measured
+``tensor_parallel.N.pass_scale`` when it has one, else the table / N (weights and work split
+evenly) plus ``tp_allreduce_s`` per pass: Megatron-style layers all-reduce twice each (after
+attention and after the MLP), and a small all-reduce over NVLink takes ~10 us, so the default
+720 us is a 36-layer (Qwen3-8B-class) target's 72 all-reduces. That is latency only: an
+all-reduce's bytes grow with rows x tokens x hidden size, which the assumption leaves out, so
+large passes come out optimistic; the table says which of the two was used. Drafters stay on one
+GPU each. What TP also buys and the planner does not see: KV-cache room for more rows per verifier
+(raise ``--max-num-seqs`` yourself if so).
 
 A split uses its GPUs fully where it can: for a ratio r = D/V, V = floor(N / (g_v + r g_d)) and
 D takes what is left. Figures are as good as the profile; the planner cannot see what the profile
@@ -20,7 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
 
@@ -28,9 +42,11 @@ from matplotlib.figure import Figure
 from tqdm import tqdm
 
 from specd.plan.compare import compare_serve, format_compare
-from specd.plan.profile import Profile, load_profile
+from specd.plan.profile import CostTable, Profile, load_profile
 from specd.plan.sim import Lengths, SimConfig, SimResult, TraceRequest, Workload, load_trace, simulate
 
+DEFAULT_TP_ALLREDUCE_S = 36 * 2 * 10e-6
+"""Assumed all-reduce time per tensor-parallel pass: 36 layers x 2 all-reduces x 10 us (NVLink)."""
 DEFAULT_RATIOS = ("1:8", "1:6", "1:4", "1:3", "1:2", "2:3", "1:1", "3:2", "2:1", "3:1")
 """Drafters:verifiers tried when the budget holds more than `ENUMERATE_UP_TO` verifiers."""
 ENUMERATE_UP_TO = 16
@@ -49,7 +65,13 @@ class Split:
 @dataclass(kw_only=True)
 class PlanSettings:
     gpus: int
-    gpus_per_verifier: int = 1
+    """The whole budget, the trainer's GPUs included."""
+    tensor_parallel: int = 1
+    """Ranks, and so GPUs, per verifier replica (the chart's ``verifier.tensorParallel``)."""
+    tp_allreduce_s: float = DEFAULT_TP_ALLREDUCE_S
+    """Per-pass all-reduce seconds of a tensor-parallel pass when the profile has no measured scale."""
+    trainer_gpus: int = 0
+    """GPUs of the data-parallel trainer (``trainer.dataParallel``), off the budget; 0 = none counted."""
     gpus_per_drafter: int = 1
     concurrency: int = 0
     rate: float = 0.0
@@ -74,12 +96,31 @@ class PlanSettings:
     """Also simulate plain decoding on the whole budget (the baseline, and a valid choice)."""
     seed: int = 0
 
+    @property
+    def gpus_per_verifier(self) -> int:
+        return self.tensor_parallel
+
+    @property
+    def serving_gpus(self) -> int:
+        """The budget for verifiers and drafters: what the trainer leaves."""
+        return self.gpus - self.trainer_gpus
+
     def validate(self) -> None:
-        if self.gpus_per_verifier < 1 or self.gpus_per_drafter < 1:
-            raise ValueError("--gpus-per-verifier and --gpus-per-drafter must be >= 1")
-        if self.gpus < self.gpus_per_verifier:
-            raise ValueError(f"--gpus {self.gpus} cannot hold one verifier replica ({self.gpus_per_verifier} GPUs): "
-                             "raise --gpus or lower --gpus-per-verifier")
+        tp = self.tensor_parallel
+        if tp < 1 or tp & (tp - 1):
+            raise ValueError(f"--tensor-parallel must be a power of two >= 1 (the target's heads split evenly over "
+                             f"the ranks; the chart's verifier.tensorParallel), got {tp}")
+        if self.gpus_per_drafter < 1:
+            raise ValueError("--gpus-per-drafter must be >= 1")
+        if self.trainer_gpus < 0:
+            raise ValueError(f"--trainer-gpus must be >= 0, got {self.trainer_gpus}")
+        if self.tp_allreduce_s < 0:
+            raise ValueError(f"--tp-allreduce-us must be >= 0, got {self.tp_allreduce_s * 1e6:g}")
+        if self.serving_gpus < tp:
+            trainer = f" after the trainer's {self.trainer_gpus}" if self.trainer_gpus else ""
+            raise ValueError(f"--gpus {self.gpus} cannot hold one verifier replica ({tp} GPUs at --tensor-parallel "
+                             f"{tp}){trainer}: raise --gpus, lower --tensor-parallel"
+                             + (" or --trainer-gpus" if self.trainer_gpus else ""))
         timed = self.trace is not None and all(t.arrival_s is not None for t in self.trace)
         if sum((self.concurrency > 0, self.rate > 0, timed)) != 1:
             raise ValueError("give the load as exactly one of --concurrency C (closed loop), --rate R (requests/s), "
@@ -123,7 +164,7 @@ def parse_ratio(text: str) -> Fraction:
 
 def splits(settings: PlanSettings) -> list[Split]:
     """Drafter:verifier splits of the budget, each with at least one verifier and one drafter."""
-    gpus, gv, gd = settings.gpus, settings.gpus_per_verifier, settings.gpus_per_drafter
+    gpus, gv, gd = settings.serving_gpus, settings.gpus_per_verifier, settings.gpus_per_drafter
     if settings.ratios:
         ratios = [parse_ratio(r) for r in settings.ratios]
     elif gpus // gv <= ENUMERATE_UP_TO:
@@ -161,6 +202,28 @@ class Plan:
     plain: PlanRow | None
     levels: dict[float, list[PlanRow]] = field(default_factory=dict)
     """Load level -> rows at the best block (for the plot)."""
+    notes: list[str] = field(default_factory=list)
+    """What the figures assume beyond the profile (printed above the table)."""
+
+
+def tensor_parallel_profile(profile: Profile, ranks: int, allreduce_s: float) -> tuple[Profile, str]:
+    """``profile`` with the target pass of a verifier of ``ranks`` GPUs, and how it was scaled.
+
+    The measured ``tensor_parallel[ranks]`` pass scale when the profile has one; else the ideal
+    split plus a fixed all-reduce time per pass (module docstring)."""
+    if ranks == 1:
+        return profile, ""
+    table = profile.target
+    if ranks in profile.tensor_parallel:
+        scale = profile.tensor_parallel[ranks]
+        seconds = [[s * scale for s in row] for row in table.seconds]
+        how = f"target pass x {scale:g} (the profile's measured pass_scale)"
+    else:
+        seconds = [[s / ranks + allreduce_s for s in row] for row in table.seconds]
+        how = (f"target pass = one GPU's / {ranks} + {allreduce_s * 1e6:.0f} us of all-reduces (assumed: an even "
+               f"split, latency-bound all-reduces; no measured tensor_parallel.{ranks}.pass_scale in the profile)")
+    target = CostTable(batch=list(table.batch), tokens=list(table.tokens), seconds=seconds)
+    return replace(profile, target=target), f"verifiers: tensor parallel {ranks} ({ranks} GPUs each), {how}"
 
 
 def _config(settings: PlanSettings, split: Split, block: int, mode: str) -> SimConfig:
@@ -173,16 +236,21 @@ def _config(settings: PlanSettings, split: Split, block: int, mode: str) -> SimC
 def plan(profile: Profile, settings: PlanSettings, *, levels: tuple[float, ...] = (), progress: bool = True) -> Plan:
     """Simulate every candidate; the best by tokens/s (under the SLO when one is set)."""
     settings.validate()
+    profile, tp_note = tensor_parallel_profile(profile, settings.tensor_parallel, settings.tp_allreduce_s)
+    notes = [tp_note] if tp_note else []
+    if settings.trainer_gpus:
+        notes.append(f"trainer: {settings.trainer_gpus} GPUs (data parallel) off the {settings.gpus}, "
+                     f"{settings.serving_gpus} for verifiers and drafters")
     if profile.group_sizes and max(settings.block_sizes) > max(profile.group_sizes) - 1:
         raise ValueError(f"block {max(settings.block_sizes)} is above the drafter's largest block "
                          f"{max(profile.group_sizes) - 1} (its mask groups: {profile.group_sizes}): lower --block-sizes")
     candidates = splits(settings)
-    plain_split = Split(verifiers=settings.gpus // settings.gpus_per_verifier, drafters=0)
+    plain_split = Split(verifiers=settings.serving_gpus // settings.gpus_per_verifier, drafters=0)
     if settings.ratios and not candidates and any(parse_ratio(r) > 0 for r in settings.ratios):
-        raise ValueError(f"none of the ratios {', '.join(settings.ratios)} fits in {settings.gpus} GPUs "
+        raise ValueError(f"none of the ratios {', '.join(settings.ratios)} fits in {settings.serving_gpus} GPUs "
                          f"({settings.gpus_per_verifier} per verifier, {settings.gpus_per_drafter} per drafter)")
     if not candidates and not settings.plain:
-        raise ValueError(f"--gpus {settings.gpus} leaves no room for a drafter next to a verifier "
+        raise ValueError(f"{settings.serving_gpus} GPUs leave no room for a drafter next to a verifier "
                          f"({settings.gpus_per_verifier} + {settings.gpus_per_drafter} GPUs) and plain decoding is off")
     jobs = [(split, block, settings.mode) for split in candidates for block in settings.block_sizes]
     if settings.plain:
@@ -205,7 +273,7 @@ def plan(profile: Profile, settings: PlanSettings, *, levels: tuple[float, ...] 
         keeping_up = [r for r in eligible if r.result.tokens_per_s >= 0.98 * best.result.tokens_per_s]
         best = min(keeping_up, key=lambda r: r.result.tpot_p99)
     plain_row = rows[0] if settings.plain else None
-    result = Plan(rows=rows, best=best, plain=plain_row)
+    result = Plan(rows=rows, best=best, plain=plain_row, notes=notes)
     if levels:
         level_jobs = [(load, split) for load in levels for split in candidates]
         for load, split in tqdm(level_jobs, desc="specd plan: load levels", unit="sim", disable=not progress):
@@ -220,7 +288,7 @@ def plan(profile: Profile, settings: PlanSettings, *, levels: tuple[float, ...] 
 def format_table(result: Plan) -> str:
     head = (f"{'':1}{'ratio D:V':>10}{'verif':>6}{'draft':>6}{'block':>6}{'tok/s':>10}{'vs plain':>9}{'tau':>6}"
             f"{'hit':>5}{'TTFT p50':>10}{'TPOT p50':>10}{'p99':>8}{'drafter':>8}{'slo':>4}")
-    lines = [head, "-" * len(head)]
+    lines = [*result.notes, head, "-" * len(head)]
     plain = result.plain.result.tokens_per_s if result.plain else float("nan")
     for row in result.rows:
         r = row.result
@@ -245,18 +313,26 @@ def values_override(result: Plan, settings: PlanSettings, profile_path: str) -> 
     load = (f"concurrency {settings.concurrency}" if settings.concurrency
             else f"{settings.rate} requests/s" if settings.rate else "a trace")
     r = best.result
-    return "\n".join([
+    lines = [
         f"# specd plan: {settings.gpus} GPUs, {load}, profile {profile_path}",
+        *(f"# {note}" for note in result.notes),
         (f"# chosen: {best.split.verifiers} verifiers + {best.split.drafters} drafters, "
-        f"{'plain decoding' if best.mode == 'plain' else f'block {best.block_size}, {best.mode}'}: "
-        f"{r.tokens_per_s:.1f} tokens/s, TPOT p50 {r.tpot_p50 * 1e3:.2f} ms, p99 {r.tpot_p99 * 1e3:.2f} ms (simulated)"),
+         f"{'plain decoding' if best.mode == 'plain' else f'block {best.block_size}, {best.mode}'}: "
+         f"{r.tokens_per_s:.1f} tokens/s, TPOT p50 {r.tpot_p50 * 1e3:.2f} ms, p99 {r.tpot_p99 * 1e3:.2f} ms (simulated)"),
         "drafter:",
         f"  replicas: {best.split.drafters}",
         "verifier:",
         f"  replicas: {best.split.verifiers}",
+        f"  tensorParallel: {settings.tensor_parallel}",
         f"  extraArgs: {json.dumps(args)}",
-        "",
-    ])
+    ]
+    if settings.trainer_gpus:
+        # The budget counted these GPUs for the trainer: give it them (one per data-parallel rank;
+        # the chart requests dataParallel GPUs for a role with a GPU entry) and train on them.
+        lines += ["trainer:", f"  dataParallel: {settings.trainer_gpus}",
+                  f"  resources: {{limits: {{nvidia.com/gpu: {settings.trainer_gpus}}}}}",
+                  "  config: {device: cuda}"]
+    return "\n".join([*lines, ""])
 
 
 def plot(result: Plan, settings: PlanSettings, path: Path) -> Path:
@@ -292,7 +368,8 @@ def plot(result: Plan, settings: PlanSettings, path: Path) -> Path:
 # ====================================================================== command line
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", required=True, help="profile JSON (`specd bench profile`, or hand-written)")
-    parser.add_argument("--gpus", type=int, default=0, help="GPU budget: verifier and drafter replicas together")
+    parser.add_argument("--gpus", type=int, default=0,
+                        help="GPU budget: verifier and drafter replicas together (and the trainer's --trainer-gpus)")
     load = parser.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=int, default=0, help="closed loop of C concurrent clients")
     load.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals, requests per second")
@@ -300,7 +377,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "arrivals are the load; without arrival_s, its lengths replayed by --concurrency or --rate")
     parser.add_argument("--block-sizes", default="2,4,8,16", help="block lengths to try (comma-separated)")
     parser.add_argument("--ratios", default="", help="drafters:verifiers to try, e.g. 1:4,1:2,1:1,2:1 (default: every split)")
-    parser.add_argument("--gpus-per-verifier", type=int, default=1)
+    parser.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                        help="ranks (GPUs) per verifier replica, a power of two (default 1); passes scale by the "
+                        "profile's tensor_parallel.N.pass_scale, else 1/N + --tp-allreduce-us")
+    parser.add_argument("--gpus-per-verifier", type=int, default=None, metavar="N",
+                        help="the older name of --tensor-parallel: a verifier's GPUs are its ranks")
+    parser.add_argument("--tp-allreduce-us", type=float, default=DEFAULT_TP_ALLREDUCE_S * 1e6,
+                        help="all-reduce microseconds per tensor-parallel pass, without a measured pass_scale "
+                        "(default: 36 layers x 2 all-reduces x 10 us on NVLink)")
+    parser.add_argument("--trainer-gpus", type=int, default=0, metavar="M",
+                        help="GPUs of the data-parallel trainer, taken off --gpus (written as trainer.dataParallel)")
     parser.add_argument("--gpus-per-drafter", type=int, default=1)
     parser.add_argument("--mode", choices=("async", "sync"), default="async", help="how the verifiers use drafters")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="verifier rows (its --max-num-seqs; the chart's 64)")
@@ -343,8 +429,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.gpus < 1:
         raise ValueError("--gpus N is required (the GPU budget), with --concurrency C or --rate R")
+    given = {n for n in (args.tensor_parallel, args.gpus_per_verifier) if n is not None}
+    if len(given) > 1:
+        raise ValueError(f"--tensor-parallel {args.tensor_parallel} and --gpus-per-verifier {args.gpus_per_verifier} "
+                         "disagree: they are one setting (a verifier's GPUs are its ranks); give --tensor-parallel")
     settings = PlanSettings(
-        gpus=args.gpus, gpus_per_verifier=args.gpus_per_verifier, gpus_per_drafter=args.gpus_per_drafter,
+        gpus=args.gpus, tensor_parallel=given.pop() if given else 1, tp_allreduce_s=args.tp_allreduce_us / 1e6,
+        trainer_gpus=args.trainer_gpus, gpus_per_drafter=args.gpus_per_drafter,
         concurrency=args.concurrency, rate=args.rate, block_sizes=_ints(args.block_sizes, "--block-sizes"),
         ratios=tuple(r for r in args.ratios.split(",") if r.strip()), mode=args.mode, requests=args.requests,
         prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens, max_num_seqs=args.max_num_seqs,
@@ -366,7 +457,9 @@ def run(args: argparse.Namespace) -> int:
     result = plan(profile, settings, levels=levels)
     print(format_table(result))
     best = result.best
-    print(f"\nchosen: {best.split.verifiers} verifiers + {best.split.drafters} drafters"
+    print(f"\nchosen: {best.split.verifiers} verifiers"
+          + (f" of {settings.tensor_parallel} GPUs" if settings.tensor_parallel > 1 else "")
+          + f" + {best.split.drafters} drafters"
           + (f", block {best.block_size}" if best.mode != "plain" else ", plain decoding")
           + f": {best.result.tokens_per_s:.1f} tokens/s"
           + (f" ({best.result.tokens_per_s / result.plain.result.tokens_per_s:.2f}x plain)" if result.plain else ""))

@@ -34,6 +34,10 @@ Schema (``version`` 1; fields marked * are required):
                                            step time outside its pass, and its pass over the
                                            target table's, by mean rows (`services.calibrate`)
       "workload": {"prompt_tokens": [...], "output_tokens": [...], "max_tokens": 64}   optional
+      "tensor_parallel": {"2": {"pass_scale": 0.56}, ...}   optional: a verifier of N ranks'
+                                           target pass over the target table's (which is one
+                                           GPU's); `specd plan --tensor-parallel N` assumes an
+                                           ideal split plus all-reduce latency without it
     }
 
 Axes are strictly increasing positive integers; a cost is read by bilinear interpolation,
@@ -155,6 +159,8 @@ class Profile:
     """The drafter tables are whole round trips through a replica (not bare passes)."""
     prompt_tokens: list[int] = field(default_factory=list)
     output_tokens: list[int] = field(default_factory=list)
+    tensor_parallel: dict[int, float] = field(default_factory=dict)
+    """Ranks N -> measured pass scale: a tensor-parallel verifier's target pass over the table's."""
     notes: str = ""
     raw: dict = field(default_factory=dict, repr=False)
 
@@ -293,6 +299,12 @@ def parse_profile(data: Any, *, source: str = "profile") -> Profile:
             if any(b <= a for a, b in itertools.pairwise(columns["rows"])):
                 raise fail("serving.verifier.rows", f"must be strictly increasing, got {columns['rows']!r}")
             serving = Serving(**columns)
+    tensor_parallel = {}
+    for key, entry in (data.get("tensor_parallel") or {}).items():
+        if not str(key).isdigit() or int(key) < 2 or not isinstance(entry, dict):
+            raise fail(f"tensor_parallel.{key}", "must map a rank count >= 2 to {pass_scale}")
+        scale = required(entry, "pass_scale", f"tensor_parallel.{key}.")
+        tensor_parallel[int(key)] = number(f"tensor_parallel.{key}.pass_scale", scale, 1e-6, 10.0)
     notes = data.get("notes", "")
     return Profile(
         target=target, drafter=drafter, speculate=speculate, block_size=block_size,
@@ -309,5 +321,5 @@ def parse_profile(data: Any, *, source: str = "profile") -> Profile:
                               if "plain_seq_seconds" in overhead else None),
         padded_rows=bool(data.get("padded_rows", True)), serving=serving, drafter_round_trips=round_trips,
         prompt_tokens=lengths["prompt_tokens"], output_tokens=lengths["output_tokens"],
-        notes=notes if isinstance(notes, str) else json.dumps(notes), raw=data,
+        tensor_parallel=tensor_parallel, notes=notes if isinstance(notes, str) else json.dumps(notes), raw=data,
     )

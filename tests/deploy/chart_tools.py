@@ -5,6 +5,8 @@ returns the manifests as dicts. `merge_values` combines values files the way ``h
 does (maps merge, anything else is replaced; a null survives the merge and deletes the key when
 Helm coalesces the values with the chart's defaults).
 
+`launch` reads a container's command (``python -m`` or ``torchrun``) the way torchrun does.
+
 `ingress_allowed` evaluates the rendered NetworkPolicies for one connection, with the
 semantics of the Kubernetes NetworkPolicy API (ingress only, ``matchLabels`` selectors only: a
 selector with ``matchExpressions`` raises rather than being misread).
@@ -20,6 +22,7 @@ from typing import Any
 
 import helm_python as helm
 import yaml
+from torch.distributed.run import get_args_parser as torchrun_parser
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "deploy" / "k8s" / "specd"
@@ -119,6 +122,31 @@ def flags(container_spec: Manifest) -> dict[str, str]:
         name, _, value = arg.partition("=")
         parsed[name] = value
     return parsed
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How a container starts its service."""
+
+    module: str
+    processes: int
+    argv: list[str]
+    """The service's own command line."""
+    shutdown_timeout: int | None = None
+    """torchrun's: seconds between passing SIGTERM to the ranks and killing them."""
+
+
+def launch(container_spec: Manifest) -> Launch:
+    """``python -m MODULE ARGS`` (one process) or ``torchrun ... -m MODULE ARGS`` (one node, N
+    processes), the latter read with torchrun's own argument parser."""
+    command, args = container_spec["command"], container_spec.get("args", [])
+    if command[0] == "torchrun":
+        parsed = torchrun_parser().parse_args(command[1:] + args)
+        assert parsed.module and parsed.standalone, f"not a one-node `torchrun -m` launch: {command}"
+        return Launch(parsed.training_script, int(parsed.nproc_per_node), list(parsed.training_script_args),
+                      parsed.shutdown_timeout)
+    assert command[:2] == ["python", "-m"] and len(command) == 3, f"not a `python -m` launch: {command}"
+    return Launch(command[2], 1, list(args))
 
 
 def pod_env(manifests: list[Manifest], deployment: Manifest, secrets: dict[str, dict[str, str]] | None = None,

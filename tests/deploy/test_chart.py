@@ -1,13 +1,15 @@
 """The Helm chart deploy/k8s/specd, rendered offline by Helm's own engine (helm_python).
 
-What must hold for every values set we ship (defaults, values-gpu.yaml, values-cpu.yaml, and one
-with every optional object switched on): the chart lints strictly, each manifest validates
-(strict) against the Kubernetes 1.29-1.33 schemas, and the rendered command lines and
-environments parse with the services' own config parser. Then the properties the chart exists
-for: replica counts are the compute split, probes are gRPC probes on the gRPC ports, the token
-lives only in a Secret, every verifier reaches every drafter through a headless Service, the
-NetworkPolicies allow exactly the paths the services use, pods are locked down, and the values
-schema refuses bad values with an error that names the key.
+What must hold for every values set we ship (defaults, values-gpu.yaml with its tensor-parallel
+verifiers, values-cpu.yaml, and one with every optional object switched on): the chart lints
+strictly, each manifest validates (strict) against the Kubernetes 1.29-1.33 schemas, and the
+rendered command lines (`python -m` or `torchrun`) and environments parse with the services' own
+config parser. Then the properties the chart exists for: replica counts are the compute split, a
+multi-process pod (verifier.tensorParallel, trainer.dataParallel) asks for one GPU per rank and
+launches its ranks with /dev/shm and a drain-long shutdown, probes are gRPC probes on the gRPC
+ports, the token lives only in a Secret, every verifier reaches every drafter through a headless
+Service, the NetworkPolicies allow exactly the paths the services use, pods are locked down, and
+the values schema refuses bad values with an error that names the key.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ from chart_tools import (
     flags,
     full_name,
     ingress_allowed,
+    launch,
     load_values_file,
+    merge_values,
     of_kind,
     pod_env,
     pods_of,
@@ -78,11 +82,19 @@ MINIMAL = {  # every optional object switched off, the other model volume kind
 }
 VALUE_SETS = {
     "default": {},
-    "gpu": load_values_file("values-gpu.yaml"),
+    "gpu": load_values_file("values-gpu.yaml"),  # verifier.tensorParallel 2
     "cpu": load_values_file("values-cpu.yaml"),
     "everything": EVERYTHING,
 }
-CHECKED_VALUE_SETS = {**VALUE_SETS, "minimal": MINIMAL}  # lint, schemas, pod hardening
+PARALLEL = merge_values(VALUE_SETS["gpu"], {  # multi-process verifier and trainer pods, GPUs for both
+    "verifier": {"tensorParallel": 4},
+    "trainer": {"dataParallel": 2, "resources": {"requests": {"nvidia.com/gpu": 1}}}})
+CHECKED_VALUE_SETS = {**VALUE_SETS, "minimal": MINIMAL, "parallel": PARALLEL}  # lint, schemas, pod hardening
+# Config fields the chart sets from verifier.tensorParallel and trainer.dataParallel (as
+# --tensor-parallel / --data-parallel, only when > 1). The services gain them with multi-process
+# serving and training; until a service has its field, a render that passes the flag must fail
+# to parse (xfail, strict: the mark lifts itself once the field exists).
+PARALLEL_FIELDS = {"verifier": ("tensorParallel", "tensor_parallel"), "trainer": ("dataParallel", "data_parallel")}
 _RENDERED: dict[str, list[dict]] = {}
 
 
@@ -189,15 +201,31 @@ def test_optional_custom_resources_are_rendered_when_switched_on():
 def _parse(role: str, manifests: list[dict], secrets: dict | None = None):
     spec = container(deployment(manifests, role))
     env = pod_env(manifests, deployment(manifests, role), secrets)
-    assert spec["command"] == ["python", "-m", f"services.{role}"]
+    started = launch(spec)
+    assert started.module == f"services.{role}"
     try:
-        return parse_config(ROLES[role], argv=spec["args"], env=env)
+        return parse_config(ROLES[role], argv=started.argv, env=env)
     except SystemExit:
-        pytest.fail(f"the {role}'s rendered flags {spec['args']} and SPECD_* environment "
+        pytest.fail(f"the {role}'s rendered flags {started.argv} and SPECD_* environment "
                     f"{ {k: v for k, v in env.items() if k.startswith('SPECD_')} } do not parse (see stderr)")
 
 
-@pytest.mark.parametrize("value_set", VALUE_SETS)
+def _unless_parallel_field(role: str):
+    """xfail (strict) while ROLES[role] lacks the field its multi-process flag sets."""
+    name = PARALLEL_FIELDS[role][1]
+    missing = name not in {f.name for f in dataclasses.fields(ROLES[role])}
+    flag = "--" + name.replace("_", "-")
+    return pytest.mark.xfail(missing, raises=pytest.fail.Exception, strict=True,
+                             reason=f"{ROLES[role].__name__} has no {name} yet: {flag} cannot parse")
+
+
+def _multi_process_roles(values: dict) -> list[str]:
+    return [role for role, (key, _) in PARALLEL_FIELDS.items() if values.get(role, {}).get(key, 1) > 1]
+
+
+@pytest.mark.parametrize("value_set", [
+    pytest.param(name, marks=[_unless_parallel_field(role) for role in _multi_process_roles(values)])
+    for name, values in VALUE_SETS.items()])
 def test_rendered_flags_and_environment_parse_with_the_services_configs(value_set):
     manifests = rendered(value_set)
     values = VALUE_SETS[value_set]
@@ -257,7 +285,9 @@ def test_schema_config_blocks_are_the_service_config_fields():
 
     check(schema["properties"]["config"], ServiceConfig, CHART_OWNED["common"], "config")
     for role, config_class in ROLES.items():
-        check(schema["$defs"][f"{role}Config"], config_class, CHART_OWNED["common"] | CHART_OWNED[role],
+        # tensor_parallel / data_parallel, once the config has it: set from tensorParallel / dataParallel
+        parallel = {PARALLEL_FIELDS.get(role, ("", ""))[1]} & {f.name for f in dataclasses.fields(config_class)}
+        check(schema["$defs"][f"{role}Config"], config_class, CHART_OWNED["common"] | CHART_OWNED[role] | parallel,
               f"{role}.config")
 
 
@@ -454,13 +484,17 @@ def test_termination_grace_outlasts_the_drain(value_set):
         drain = float(pod_env(manifests, item)["SPECD_DRAIN_SECONDS"])
         # Two phases of up to drain_seconds each: running requests, then in-flight calls.
         assert item["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 2 * drain, item["metadata"]["name"]
+        started = launch(container(item))
+        if started.processes > 1:  # torchrun passes SIGTERM on, then kills the ranks after its own timeout
+            assert started.shutdown_timeout > 2 * drain, f"{item['metadata']['name']}: torchrun cuts the drain short"
 
 
 # ---------------------------------------------------------------------------- GPU and CPU values
-def test_gpu_values_give_one_gpu_to_each_drafter_and_verifier():
+def test_gpu_values_give_a_drafter_one_gpu_and_a_verifier_one_per_tensor_parallel_rank():
     manifests = rendered("gpu")
-    for role in ("drafter", "verifier"):
-        assert container(deployment(manifests, role))["resources"]["limits"]["nvidia.com/gpu"] == 1, role
+    gpus = {role: container(deployment(manifests, role))["resources"]["limits"]["nvidia.com/gpu"] for role in ROLES}
+    assert gpus == {"drafter": 1, "verifier": 2, "trainer": 1}
+    assert launch(container(deployment(manifests, "verifier"))).processes == 2
     assert pod_env(manifests, deployment(manifests, "drafter"))["SPECD_DEVICE"] == "cuda"
     assert flags(container(deployment(manifests, "verifier")))["--model"] == "/models/Qwen3-8B"
 
@@ -525,6 +559,13 @@ def test_model_populate_init_container_writes_the_volume_the_service_reads():
     ({"drafter": {"autoscaling": {"enabled": True, "minReplicas": 0}}}, "/drafter/autoscaling/minReplicas"),
     ({"models": {"storage": {"type": "s3"}}}, "/models/storage/type"),
     ({"verifier": {"resources": {"limits": {"memory": "lots"}}}}, "/verifier/resources/limits/memory"),
+    ({"verifier": {"tensorParallel": 0}}, "/verifier/tensorParallel"),
+    ({"verifier": {"tensorParallel": 3}}, "/verifier/tensorParallel"),  # not a power of two
+    ({"verifier": {"tensorParallel": 1.5}}, "/verifier/tensorParallel"),
+    ({"verifier": {"tensorParallel": "2"}}, "/verifier/tensorParallel"),
+    ({"trainer": {"dataParallel": 0}}, "/trainer/dataParallel"),
+    ({"trainer": {"dataParallel": 2.5}}, "/trainer/dataParallel"),
+    ({"distributed": {"shmSize": "big"}}, "/distributed/shmSize"),
 ], ids=lambda v: json.dumps(v) if isinstance(v, dict) else None)
 def test_schema_refuses_bad_values_naming_the_key(values, expected):
     with helm.Chart.load(CHART) as chart:
@@ -540,8 +581,77 @@ def test_schema_refuses_bad_values_naming_the_key(values, expected):
     ({"redis": {"internal": {"enabled": False}}}, "no Redis is configured"),
     ({"verifier": {"autoscaling": {"enabled": True, "minReplicas": 4, "maxReplicas": 2}}}, "maxReplicas"),
     ({"models": {"storage": {"type": "image"}, "populate": {"enabled": True, "command": ["true"]}}}, "populate"),
+    ({"verifier": {"tensorParallel": 2, "resources": {"limits": {"nvidia.com/gpu": 4}}}}, "verifier.tensorParallel"),
 ])
 def test_render_refuses_inconsistent_values_saying_what_to_change(values, expected):
     with pytest.raises(helm.HelmError) as error:
         render(values)
     assert expected in str(error.value), str(error.value)
+
+
+# ---------------------------------------------------------------------------- multi-process pods
+def _shm(item: dict) -> dict | None:
+    """The emptyDir mounted at /dev/shm of a Deployment's container, or None."""
+    pod = item["spec"]["template"]["spec"]
+    mount = next((m for m in container(item)["volumeMounts"] if m["mountPath"] == "/dev/shm"), None)
+    return None if mount is None else {v["name"]: v for v in pod["volumes"]}[mount["name"]]["emptyDir"]
+
+
+@pytest.mark.parametrize("processes", [1, 2, 4])
+def test_a_tensor_parallel_verifier_is_one_pod_of_n_ranks_on_n_gpus(processes):
+    manifests = render({"verifier": {"tensorParallel": processes}})
+    item = deployment(manifests, "verifier")
+    spec, env = container(item), pod_env(manifests, item)
+    started = launch(spec)
+    assert (started.module, started.processes) == ("services.verifier", processes)
+    assert (spec["command"][0] == "torchrun") == (processes > 1)
+    assert flags(spec).get("--tensor-parallel") == (str(processes) if processes > 1 else None)
+    assert spec["resources"]["limits"]["nvidia.com/gpu"] == processes
+    if processes > 1:
+        assert _shm(item) == {"medium": "Memory", "sizeLimit": "8Gi"}
+        assert started.shutdown_timeout == item["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert env["NCCL_DEBUG"] == "WARN"
+    else:
+        assert _shm(item) is None and "NCCL_DEBUG" not in env
+    # Rank 0 serves: the probes and the Service's ports are those of a one-process verifier.
+    assert spec["readinessProbe"]["grpc"] == spec["startupProbe"]["grpc"] == {"port": 50051}
+    assert {p["name"]: p["containerPort"] for p in spec["ports"]} == {"grpc": 50051, "http": 8000}
+    drafter = container(deployment(manifests, "drafter"))
+    assert launch(drafter).processes == 1 and drafter["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+@pytest.mark.parametrize("gpus", [True, False], ids=["gpus", "no-gpus"])
+def test_a_data_parallel_trainer_is_one_pod_of_n_ranks(gpus):
+    # The default trainer has no GPU entry (it trains on CPUs); one in requests and limits says it uses GPUs.
+    given = {"resources": {"requests": {"nvidia.com/gpu": 1}, "limits": {"nvidia.com/gpu": 1}}} if gpus else {}
+    manifests = render({"trainer": {"dataParallel": 3, **given}})
+    item = deployment(manifests, "trainer")
+    spec, started = container(item), launch(container(item))
+    assert (started.module, started.processes, flags(spec)["--data-parallel"]) == ("services.trainer", 3, "3")
+    assert started.shutdown_timeout == item["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    resources = spec["resources"]
+    # Kubernetes needs an extended resource's request equal to its limit.
+    assert [resources[k].get("nvidia.com/gpu") for k in ("requests", "limits")] == ([3, 3] if gpus else [None, None])
+    assert (resources["requests"]["cpu"], resources["limits"]["memory"]) == ("4", "32Gi")  # the rest as given
+    assert _shm(item) == {"medium": "Memory", "sizeLimit": "8Gi"}
+    assert "/checkpoints" in {m["mountPath"] for m in spec["volumeMounts"]}
+
+
+def test_a_multi_process_pod_takes_the_roles_own_shm_size_and_environment_first():
+    manifests = render({
+        "verifier": {"tensorParallel": 2, "shmSize": "16Gi", "env": [{"name": "NCCL_DEBUG", "value": "INFO"}]},
+        "distributed": {"env": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": None, "NCCL_P2P_LEVEL": "NVL"}}})
+    item = deployment(manifests, "verifier")
+    names = [e["name"] for e in container(item)["env"]]
+    assert len(names) == len(set(names)), f"one definition per variable: {names}"
+    env = pod_env(manifests, item)
+    assert (env["NCCL_DEBUG"], env["NCCL_P2P_LEVEL"]) == ("INFO", "NVL")
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in env  # null removes a default
+    assert _shm(item) == {"medium": "Memory", "sizeLimit": "16Gi"}
+
+
+@pytest.mark.parametrize("role", [pytest.param(role, marks=_unless_parallel_field(role)) for role in PARALLEL_FIELDS])
+def test_a_multi_process_launch_parses_with_the_services_config(role):
+    key, field = PARALLEL_FIELDS[role]
+    config = _parse(role, render({role: {key: 4}}))
+    assert getattr(config, field) == 4

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 from pathlib import Path
 
+import helm_python as helm
 import pytest
 import torch
 import yaml
@@ -17,10 +19,12 @@ from specd.models.d3d import D3DModel
 from specd.models.qwen3 import FLAVOURS, Qwen3ForCausalLM
 from specd.plan import planner
 from specd.plan.compare import compare_serve, deployment_config
-from specd.plan.planner import PlanSettings, Split, parse_ratio, plan, splits, values_override
+from specd.plan.planner import PlanSettings, Split, format_table, parse_ratio, plan, splits, values_override
 from specd.plan.profile import load_profile, parse_profile
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "specd" / "plan" / "profiles" / "qwen3-8b-h200.json"
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "specd" / "plan" / "profiles" / "qwen3-8b-h200.json"
+CHART = REPO / "deploy" / "k8s" / "specd"
 
 
 def table(cost, batches=(1, 4, 16, 64), tokens=(1, 16, 256)) -> dict:
@@ -69,6 +73,9 @@ def test_a_missing_field_is_named(field):
      "serving.verifier"),
     ({"serving": {"verifier": {"rows": [1], "overhead_seconds": [-0.001], "target_scale": [1]}}},
      "serving.verifier.overhead_seconds"),
+    ({"tensor_parallel": {"1": {"pass_scale": 1.0}}}, "tensor_parallel.1"),
+    ({"tensor_parallel": {"2": {}}}, "tensor_parallel.2.pass_scale"),
+    ({"tensor_parallel": {"2": {"pass_scale": 0}}}, "tensor_parallel.2.pass_scale"),
 ])
 def test_a_bad_field_is_named(change, field):
     with pytest.raises(ValueError, match=rf"field '{field}'"):
@@ -175,7 +182,7 @@ def test_a_tpot_slo_picks_the_fastest_split_that_meets_it():
 
 def test_splits_fill_the_budget():
     assert splits(settings(gpus=4)) == [Split(verifiers=v, drafters=4 - v) for v in (1, 2, 3)]
-    assert splits(settings(gpus=10, gpus_per_verifier=2, gpus_per_drafter=1)) == [
+    assert splits(settings(gpus=10, tensor_parallel=2, gpus_per_drafter=1)) == [
         Split(verifiers=v, drafters=10 - 2 * v) for v in (1, 2, 3, 4)]
     assert splits(settings(gpus=12, ratios=("1:2", "1:1", "0.5"))) == [Split(verifiers=8, drafters=4),
                                                                        Split(verifiers=6, drafters=6)]
@@ -192,7 +199,7 @@ def test_nonsense_ratios_are_refused(ratio):
 def test_bad_budgets_and_loads_are_refused():
     profile = parse_profile(synthetic())
     with pytest.raises(ValueError, match="cannot hold one verifier replica"):
-        plan(profile, settings(gpus=1, gpus_per_verifier=2), progress=False)
+        plan(profile, settings(gpus=1, tensor_parallel=2), progress=False)
     with pytest.raises(ValueError, match="exactly one of --concurrency"):
         plan(profile, settings(rate=5.0), progress=False)
     with pytest.raises(ValueError, match="none of the ratios 4:1 fits"):
@@ -208,7 +215,89 @@ def test_the_values_override_is_what_the_chart_reads():
     result = plan(parse_profile(synthetic()), settings(), progress=False)
     values = yaml.safe_load(values_override(result, settings(), "p.json"))
     assert values == {"drafter": {"replicas": 1},
-                      "verifier": {"replicas": 5, "extraArgs": ["--block-size", "16", "--max-num-seqs", "16"]}}
+                      "verifier": {"replicas": 5, "tensorParallel": 1,
+                                   "extraArgs": ["--block-size", "16", "--max-num-seqs", "16"]}}
+
+
+def test_a_tensor_parallel_override_renders_with_the_chart():
+    """8 GPUs, 2 to a data-parallel trainer, verifiers of 2 ranks: the chart's pods ask for exactly
+    the GPUs the plan counted, and launch the ranks."""
+    chosen = settings(gpus=8, trainer_gpus=2, tensor_parallel=2)
+    result = plan(parse_profile(synthetic()), chosen, progress=False)
+    values = yaml.safe_load(values_override(result, chosen, "p.json"))
+    assert values["verifier"]["tensorParallel"] == 2 and values["trainer"]["dataParallel"] == 2
+    with helm.Chart.load(CHART) as chart:  # validates the values against the chart's schema too
+        rendered = chart.render(values=values, name="specd", namespace="inference", is_install=True)
+    pods = {d["metadata"]["name"].removeprefix("specd-"): d for path, text in rendered.items()
+            if not path.endswith("NOTES.txt") for d in yaml.safe_load_all(text) if d and d["kind"] == "Deployment"}
+    specs = {role: pods[role]["spec"]["template"]["spec"]["containers"][0] for role in ("drafter", "verifier", "trainer")}
+    gpus = {role: specs[role]["resources"]["limits"]["nvidia.com/gpu"] * pods[role]["spec"]["replicas"]
+            for role in specs}
+    assert gpus == {"drafter": result.best.split.drafters, "verifier": 2 * result.best.split.verifiers, "trainer": 2}
+    assert sum(gpus.values()) <= 8
+    assert specs["verifier"]["command"][0] == specs["trainer"]["command"][0] == "torchrun"
+    assert "--tensor-parallel=2" in specs["verifier"]["args"] and "--data-parallel=2" in specs["trainer"]["args"]
+
+
+# ---------------------------------------------------------------------------- tensor parallelism
+@pytest.mark.parametrize(("ranks", "extra", "allreduce", "pass_s", "how"), [
+    (1, {}, 0.001, 0.010, None),
+    (2, {}, 0.0, 0.005, "assumed"),
+    (2, {}, 0.001, 0.006, "assumed"),
+    (4, {}, 0.0005, 0.003, "assumed"),
+    (2, {"tensor_parallel": {"2": {"pass_scale": 0.7}}}, 0.001, 0.007, "measured"),
+    (4, {"tensor_parallel": {"2": {"pass_scale": 0.7}}}, 0.0, 0.0025, "assumed"),  # measured for 2 ranks only
+])
+def test_plain_decoding_on_tensor_parallel_verifiers_matches_the_hand_count(ranks, extra, allreduce, pass_s, how):
+    """Plain decoding, no overheads: TPOT is one pass, and tokens/s is the busy rows per pass
+    time, the rows being min(clients, verifiers x max_num_seqs), verifiers = GPUs / ranks."""
+    chosen = settings(gpus=8, tensor_parallel=ranks, tp_allreduce_s=allreduce)
+    result = plan(parse_profile(synthetic(**extra)), chosen, progress=False)
+    plain = result.plain
+    assert plain.split == Split(verifiers=8 // ranks, drafters=0)
+    assert plain.result.tpot_p50 == pytest.approx(pass_s)
+    rows = min(chosen.concurrency, 8 // ranks * chosen.max_num_seqs)
+    assert plain.result.tokens_per_s == pytest.approx(rows / pass_s, rel=0.01)
+    assert all(row.split.verifiers * ranks + row.split.drafters <= 8 for row in result.rows)
+    if how is None:
+        assert not result.notes
+    else:  # the table says what the pass cost rests on
+        assert how in result.notes[0] and format_table(result).startswith(result.notes[0])
+
+
+def test_the_trainers_gpus_come_off_the_budget():
+    chosen = settings(gpus=8, trainer_gpus=3)
+    assert splits(chosen) == [Split(verifiers=v, drafters=5 - v) for v in (1, 2, 3, 4)]
+    result = plan(parse_profile(synthetic()), chosen, progress=False)
+    assert result.plain.split == Split(verifiers=5, drafters=0)
+    assert any("trainer: 3 GPUs" in note for note in result.notes)
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"tensor_parallel": 0}, "power of two >= 1"),
+    ({"tensor_parallel": 3}, "power of two >= 1"),
+    ({"gpus": 3, "tensor_parallel": 4}, "cannot hold one verifier replica"),
+    ({"gpus": 4, "tensor_parallel": 2, "trainer_gpus": 3}, "after the trainer's 3: raise --gpus, lower"),
+    ({"trainer_gpus": -1}, "--trainer-gpus must be >= 0"),
+    ({"tp_allreduce_s": -1e-6}, "--tp-allreduce-us must be >= 0"),
+])
+def test_bad_tensor_parallel_settings_are_refused(changes, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        plan(parse_profile(synthetic()), settings(**changes), progress=False)
+
+
+def test_gpus_per_verifier_is_the_older_name_of_tensor_parallel(tmp_path, capsys):
+    profile_path = tmp_path / "profile.json"
+    profile_path.write_text(json.dumps(synthetic()))
+    parser = argparse.ArgumentParser()
+    planner.add_arguments(parser)
+    common = ["--profile", str(profile_path), "--gpus", "4", "--concurrency", "16", "--requests", "32",
+              "--block-sizes", "4", "--output-tokens", "32", "--levels", "", "--out", str(tmp_path / "values.yaml")]
+    assert planner.run(parser.parse_args([*common, "--gpus-per-verifier", "2"])) == 0
+    assert yaml.safe_load((tmp_path / "values.yaml").read_text())["verifier"]["tensorParallel"] == 2
+    assert "tensor parallel 2 (2 GPUs each)" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="disagree"):
+        planner.run(parser.parse_args([*common, "--gpus-per-verifier", "2", "--tensor-parallel", "4"]))
 
 
 def test_the_command_writes_the_override_and_a_plot(tmp_path, capsys):

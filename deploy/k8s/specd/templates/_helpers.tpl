@@ -173,8 +173,8 @@ seccompProfile:
 {{- end }}
 
 {{/* Environment every specd container gets: writable caches under /tmp (the root filesystem is
-read-only), the bearer token from the Secret, and the Redis URL when the role uses Redis
-(withRedis). */}}
+read-only), the bearer token from the Secret, the Redis URL when the role uses Redis
+(withRedis), distributed.env in a multi-process pod, then the role's own `env`. */}}
 {{- define "specd.env" -}}
 {{- $root := .root -}}
 - name: HOME
@@ -197,6 +197,7 @@ read-only), the bearer token from the Secret, and the Redis URL when the role us
 {{- if .withRedis }}
 {{- include "specd.redisEnv" $root }}
 {{- end }}
+{{- include "specd.distributedEnv" . }}
 {{- with (index $root.Values .component).env }}
 {{ toYaml . }}
 {{- end }}
@@ -225,10 +226,10 @@ password from the release's Secret (Kubernetes expands $(SPECD_REDIS_PASSWORD)).
 {{- end }}
 {{- end }}
 
-{{/* Volumes every specd pod has: /tmp, the models (unless inside the image), /dev/shm. */}}
+{{/* Volumes every specd pod has: /tmp, the models (unless inside the image), /dev/shm (when
+"specd.shmSize" gives it a size). */}}
 {{- define "specd.commonVolumes" -}}
 {{- $root := .root }}
-{{- $role := index $root.Values .component }}
 {{- $storage := $root.Values.models.storage -}}
 - name: tmp
   emptyDir:
@@ -250,7 +251,7 @@ password from the release's Secret (Kubernetes expands $(SPECD_REDIS_PASSWORD)).
   emptyDir:
     sizeLimit: {{ $storage.emptyDir.sizeLimit }}
 {{- end }}
-{{- with $role.shmSize }}
+{{- with include "specd.shmSize" . }}
 - name: shm
   emptyDir:
     medium: Memory
@@ -259,8 +260,7 @@ password from the release's Secret (Kubernetes expands $(SPECD_REDIS_PASSWORD)).
 {{- end }}
 
 {{- define "specd.commonVolumeMounts" -}}
-{{- $root := .root }}
-{{- $role := index $root.Values .component -}}
+{{- $root := .root -}}
 - name: tmp
   mountPath: /tmp
 {{- if ne $root.Values.models.storage.type "image" }}
@@ -268,7 +268,7 @@ password from the release's Secret (Kubernetes expands $(SPECD_REDIS_PASSWORD)).
   mountPath: {{ $root.Values.models.storage.mountPath }}
   readOnly: true
 {{- end }}
-{{- if $role.shmSize }}
+{{- if include "specd.shmSize" . }}
 - name: shm
   mountPath: /dev/shm
 {{- end }}
@@ -407,4 +407,99 @@ annotations:
 - podSelector:
     matchLabels:
       {{- include "specd.componentSelectorLabels" . | nindent 6 }}
+{{- end }}
+
+{{/*
+Multi-process pods. A verifier replica with tensorParallel N, or the trainer with dataParallel N,
+is N processes in one pod, one per GPU, started by torchrun (rank 0 serves gRPC/HTTP, so probes
+and Services are unchanged). "specd.processes" is N for a role (1 for the drafter).
+*/}}
+{{- define "specd.processes" -}}
+{{- $role := index .root.Values .component }}
+{{- if eq .component "verifier" }}{{ int $role.tensorParallel }}
+{{- else if eq .component "trainer" }}{{ int $role.dataParallel }}
+{{- else }}1{{ end }}
+{{- end }}
+
+{{/* The values key that sets a role's process count, for messages. */}}
+{{- define "specd.processesKey" -}}
+{{- if eq .component "verifier" }}verifier.tensorParallel{{ else }}trainer.dataParallel{{ end }}
+{{- end }}
+
+{{/* The container's command: `python -m services.<role>` for one process; for N, torchrun on one
+node (--standalone: a local rendezvous on a free port) with N processes. On SIGTERM torchrun
+passes the signal to every rank and, after --shutdown-timeout, kills them; that is set to the
+pod's grace period so torchrun never cuts a drain short (its default, 30 s, is shorter than the
+verifier's two drain phases). The role's flag (--tensor-parallel / --data-parallel) goes first
+in `args` ("specd.parallelArgs"). */}}
+{{- define "specd.command" -}}
+{{- $role := index .root.Values .component }}
+{{- $processes := include "specd.processes" . | int }}
+{{- if gt $processes 1 -}}
+[torchrun, --nproc-per-node, {{ $processes | quote }}, --standalone, --shutdown-timeout, {{ int $role.terminationGracePeriodSeconds | quote }}, -m, services.{{ .component }}]
+{{- else -}}
+[python, -m, services.{{ .component }}]
+{{- end }}
+{{- end }}
+
+{{- define "specd.parallelArgs" -}}
+{{- $processes := include "specd.processes" . | int }}
+{{- if and (gt $processes 1) (eq .component "verifier") -}}
+- --tensor-parallel={{ $processes }}
+{{- else if and (gt $processes 1) (eq .component "trainer") -}}
+- --data-parallel={{ $processes }}
+{{- end }}
+{{- end }}
+
+{{/* The role's resources as given, except the GPU count: a role that uses GPUs (an
+nvidia.com/gpu entry in its requests or limits; null removes one) gets one per process. A count
+the values give must be 1 (the default: one process, one GPU) or the process count already. */}}
+{{- define "specd.resources" -}}
+{{- $role := index .root.Values .component }}
+{{- $processes := include "specd.processes" . | int }}
+{{- $resources := deepCopy (default dict $role.resources) }}
+{{- $gpu := "nvidia.com/gpu" }}
+{{- $uses := false }}
+{{- range $kind := list "requests" "limits" }}
+{{- $given := index $resources $kind | default dict }}
+{{- if hasKey $given $gpu }}
+{{- $uses = true }}
+{{- $count := index $given $gpu | int }}
+{{- if and (ne $count 1) (ne $count $processes) }}
+{{- fail (printf "%s.resources.%s[%s] is %v but %s is %d: the pod gets one GPU per process, set by %s; leave the count at 1 (or remove it for no GPUs)" $.component $kind $gpu (index $given $gpu) (include "specd.processesKey" $) $processes (include "specd.processesKey" $)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if $uses }}
+{{- $limits := index $resources "limits" | default dict }}
+{{- $_ := set $limits $gpu $processes }}
+{{- $_ := set $resources "limits" $limits }}
+{{- with index $resources "requests" }}{{ if hasKey . $gpu }}{{ $_ := set . $gpu $processes }}{{ end }}{{ end }}
+{{- end }}
+{{- toYaml $resources }}
+{{- end }}
+
+{{/* Size of the role's memory-backed /dev/shm: its shmSize, else distributed.shmSize for a
+multi-process pod (NCCL's intra-node transport and torch.distributed need far more than the
+container runtime's 64 MiB), else "" (none). */}}
+{{- define "specd.shmSize" -}}
+{{- $role := index .root.Values .component }}
+{{- if $role.shmSize }}{{ $role.shmSize }}
+{{- else if gt (include "specd.processes" . | int) 1 }}{{ .root.Values.distributed.shmSize }}
+{{- end }}
+{{- end }}
+
+{{/* distributed.env for a multi-process pod, except names the role's `env` sets itself. */}}
+{{- define "specd.distributedEnv" -}}
+{{- $role := index .root.Values .component }}
+{{- if gt (include "specd.processes" . | int) 1 }}
+{{- $own := list }}
+{{- range $role.env }}{{ $own = append $own .name }}{{ end }}
+{{- range $name, $value := .root.Values.distributed.env }}
+{{- if and (not (has $name $own)) (not (kindIs "invalid" $value)) }}
+- name: {{ $name }}
+  value: {{ include "specd.envText" $value | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end }}
