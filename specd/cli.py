@@ -13,6 +13,7 @@
     specd bench serve [--quick]        end to end through the services: plain vs sync vs async D3D
     specd bench profile [--quick]      pass costs + acceptance as JSON for specd plan
     specd bench gpu [--device cpu --tiny]  CUDA paths checked + Qwen3-8B-shaped pass costs (bench/gpu.sh)
+    specd bench tp [--quick]           a decode and a 16-token pass: tensor-parallel ranks vs one process
     specd plan --profile F --gpus N    drafter:verifier split + block length by simulation; Helm override
     specd up [--drafters N] ...        the services on this machine (Redis, trainer, drafters, verifiers)
 
@@ -35,6 +36,7 @@ from specd import zoo
 from specd.bench import opd as bench_opd
 from specd.bench import gpu as bench_gpu
 from specd.bench import profile as bench_profile
+from specd.bench import tp as bench_tp
 from specd.bench import trees as bench_trees
 from specd.bench.decode import METHODS, DecodeSettings
 from specd.bench.decode import main as bench_decode_main
@@ -376,6 +378,9 @@ def parser() -> argparse.ArgumentParser:
     trees = bench.add_parser("trees", help="a packed tree pass vs its paths one by one, for every target kind")
     bench_trees.add_arguments(trees)
     trees.set_defaults(func=bench_trees.run)
+    tp_bench = bench.add_parser("tp", help="a decode and a 16-token pass: tensor-parallel gloo ranks vs one process")
+    bench_tp.add_arguments(tp_bench)
+    tp_bench.set_defaults(func=bench_tp.run)
     opd_bench = bench.add_parser("opd", help="SpecOPD vs sequential OPD vs offline distillation on the zoo, same run")
     bench_opd.add_arguments(opd_bench)
     opd_bench.set_defaults(func=bench_opd.run)

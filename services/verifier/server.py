@@ -11,6 +11,10 @@ The same engine serves
   `/v1/models`, `/health`, `/metrics`);
 - one trace per finished request to a Redis stream (`TraceWriter`), when a Redis URL is set.
 
+With ``--tensor-parallel N`` the target is sharded over N processes launched by torchrun
+(`specd.parallel.tensor_parallel`): rank 0 does all of the above through a `LockstepTarget`,
+the other ranks replay its target calls (`services.verifier.lockstep`).
+
 Metrics (Prometheus, on the HTTP port's `/metrics`) are named like vLLM's, prefixed ``specd:``.
 """
 
@@ -24,13 +28,16 @@ from pathlib import Path
 
 import grpc
 import torch
+import torch.distributed as dist
 from prometheus_client import REGISTRY, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from torch import nn
 
 from services.common.config import ServiceConfig, parse_config
 from services.common.server import GrpcServer, abort
 from services.common.telemetry import get_tracer, setup_tracing
 from services.common.wire import params_from_proto
+from services.verifier import lockstep
 from services.verifier.drafter_pool import RemoteDrafters
 from services.verifier.http import build_app, serve_http
 from services.verifier.score import ScoreHandler
@@ -40,6 +47,7 @@ from specd.data import load_tokenizer
 from specd.engine import EngineConfig
 from specd.models.attention import BACKENDS
 from specd.models.loading import ModelLoadError, load_model
+from specd.parallel import tensor_parallel
 from specd.serving import FinishedRequest, ServingEngine
 
 logger = logging.getLogger("specd.verifier")
@@ -78,6 +86,8 @@ class VerifierConfig(ServiceConfig):
         "help": "how attention runs: auto (flash-attn on CUDA when installed, else sdpa), sdpa, flex, flash, triton"})
     cuda_graphs: bool = field(default=False, metadata={
         "help": "replay decode/verification passes from CUDA graphs at fixed row buckets (full-attention targets)"})
+    tensor_parallel: int = field(default=1, metadata={
+        "help": "ranks the target is sharded over (> 1: launch with torchrun --nproc-per-node N; rank 0 serves)"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -87,6 +97,11 @@ class VerifierConfig(ServiceConfig):
             raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {self.attention_backend!r}")
         if self.port == 0:
             self.port = 50051
+        if self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        if self.tensor_parallel > 1 and self.cuda_graphs:
+            raise ValueError("cuda_graphs is not supported with tensor_parallel > 1 (the graph runner drives the "
+                             "cache directly, which the other ranks would not replay)")
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -189,18 +204,42 @@ def observe_latency(finished: FinishedRequest) -> None:
             TPOT.observe((finished.finish_time - finished.first_token_time) / (len(finished.output) - 1))
 
 
+def load_target(config: VerifierConfig, ranks: lockstep.Ranks | None) -> nn.Module:
+    """The target: whole, or (``--tensor-parallel N``) this rank's shard; rank 0 gets it wrapped
+    in `LockstepTarget`. A shard is loaded whole on the CPU, sliced, then moved to the device, so
+    a device never holds more than its share."""
+    if ranks is None:
+        return load_model(config.model, device=config.device, attention_backend=config.attention_backend)
+    model = load_model(config.model, device="cpu", attention_backend=config.attention_backend)
+    model = tensor_parallel(model).to(ranks.device)
+    return lockstep.LockstepTarget(model) if ranks.rank == 0 else model
+
+
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(VerifierConfig, argv, prog="specd-verifier",
                           description="The specd target verifier: gRPC Generate/Score and the OpenAI HTTP API.")
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if config.threads:
         torch.set_num_threads(config.threads)
+    ranks = None
+    if config.tensor_parallel > 1:
+        try:
+            ranks = lockstep.init_ranks(config.tensor_parallel, config.device)
+        except RuntimeError as err:
+            sys.exit(f"specd-verifier: {err}")
+        if ranks.rank != 0:  # a follower: no servers, it replays rank 0's target calls
+            try:
+                shard = load_target(config, ranks)
+            except (ModelLoadError, OSError, ValueError, RuntimeError) as err:
+                sys.exit(f"specd-verifier rank {ranks.rank}: cannot load the target: {err}")
+            lockstep.run_follower(shard, ranks)
+            return
     setup_tracing("specd-verifier", config.otlp_endpoint)
     # Every open Generate stream holds a server thread until it ends (queued requests too): room
     # for many more than the engine's rows, or streams would wait for a thread before the queue.
     grpc_server = GrpcServer("verifier", config, max_workers=max(256, 4 * config.max_num_seqs))
     try:
-        target = load_model(config.model, device=config.device, attention_backend=config.attention_backend)
+        target = load_target(config, ranks)
         tokenizer = load_tokenizer(config.tokenizer or config.model)
     except (ModelLoadError, OSError, ValueError, RuntimeError) as err:
         sys.exit(f"specd-verifier: cannot load the target: {err}")
@@ -260,6 +299,9 @@ def main(argv: list[str] | None = None) -> None:
         drafters.close()
     if traces is not None:
         traces.close()
+    if isinstance(target, lockstep.LockstepTarget):  # drained: the followers may go
+        target.stop()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

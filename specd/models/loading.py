@@ -126,6 +126,11 @@ def file_sha256(path: str | Path) -> str:
 
 def save_model(model: nn.Module, directory: str | Path) -> None:
     """Write ``config.json`` and ``model.safetensors`` (tied weights stored once)."""
+    if getattr(model, "tp_size", 1) > 1:
+        raise ValueError(
+            f"this {type(model).__name__} is tensor-parallel (rank {model.tp_rank} of {model.tp_size}) and holds "
+            f"only its share of the weights; save the whole model (load it without tensor_parallel) instead"
+        )
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     hf = model.config.to_hf()

@@ -162,6 +162,8 @@ class Qwen3ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.apply(init_weights)
         self.attention_backend = get_backend("auto")
+        # This rank's share of the heads (`specd.parallel.tensor_parallel` sets them; 1 = whole).
+        self.tp_rank, self.tp_size = 0, 1
 
     def set_attention_backend(self, name: str) -> None:
         """How attention runs: "auto", "sdpa", "flex", "flash" or "triton" (`specd.models.attention`)."""
@@ -171,7 +173,7 @@ class Qwen3ForCausalLM(nn.Module):
         c = self.config
         weight = self.model.embed_tokens.weight
         return KVCache(
-            num_layers=c.num_hidden_layers, num_seqs=num_seqs, num_kv_heads=c.num_key_value_heads,
+            num_layers=c.num_hidden_layers, num_seqs=num_seqs, num_kv_heads=c.num_key_value_heads // self.tp_size,
             head_dim=c.head_dim, capacity=capacity, dtype=weight.dtype, device=weight.device,
         )
 

@@ -287,6 +287,8 @@ class Qwen3NextForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.apply(_init)
         self.attention_backend = get_backend("auto")
+        # This rank's share of the heads (`specd.parallel.tensor_parallel` sets them; 1 = whole).
+        self.tp_rank, self.tp_size = 0, 1
 
     def set_attention_backend(self, name: str) -> None:
         """How attention runs: "auto", "sdpa", "flex", "flash" or "triton" (`specd.models.attention`)."""
@@ -309,11 +311,12 @@ class Qwen3NextForCausalLM(nn.Module):
         weight = self.model.embed_tokens.weight
         common = dict(num_seqs=num_seqs, capacity=capacity, dtype=weight.dtype, device=weight.device)
         num_attention = sum(count for kind, count in self.num_mixers.items() if kind != LINEAR)
-        kv = KVCache(num_layers=num_attention, num_kv_heads=c.num_key_value_heads,
+        kv = KVCache(num_layers=num_attention, num_kv_heads=c.num_key_value_heads // self.tp_size,
                      head_dim=c.head_dim, **common)
+        key_heads, value_heads = c.linear_num_key_heads // self.tp_size, c.linear_num_value_heads // self.tp_size
         recurrent = RecurrentStateCache(
-            num_layers=self.num_mixers.get(LINEAR, 0), conv_dim=2 * c.linear_num_key_heads * c.linear_key_head_dim
-            + c.linear_num_value_heads * c.linear_value_head_dim, num_heads=c.linear_num_value_heads,
+            num_layers=self.num_mixers.get(LINEAR, 0), conv_dim=2 * key_heads * c.linear_key_head_dim
+            + value_heads * c.linear_value_head_dim, num_heads=value_heads,
             key_dim=c.linear_key_head_dim, value_dim=c.linear_value_head_dim, chunk_size=c.linear_chunk_size,
             **common,
         )
