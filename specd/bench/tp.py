@@ -180,14 +180,42 @@ def format_table(rows: list[TPRow], settings: TPSettings) -> str:
     return "\n".join(lines)
 
 
-def main(settings: TPSettings, json_path: Path | None = None) -> list[TPRow]:
+def plot(rows: list[TPRow], settings: TPSettings, path: Path) -> Path:
+    """Milliseconds per pass, one bar group per (kind, pass): one process vs TP ranks."""
+    from matplotlib.figure import Figure  # object API: no pyplot state, no display backend
+
+    fig = Figure(figsize=(8, 4))
+    ax = fig.subplots()
+    labels = [f"{r.kind}\n{r.workload}" for r in rows]
+    x = range(len(rows))
+    width = 0.4
+    ax.bar([i - width / 2 for i in x], [1e3 * r.seconds_one_process for r in rows], width,
+           label=f"1 process x{settings.threads} thread(s)")
+    ax.bar([i + width / 2 for i in x], [1e3 * r.seconds_tp for r in rows], width,
+           label=f"TP-{settings.world_size} x{settings.threads} thread(s) each")
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_ylabel("ms per pass (median)")
+    ax.set_title(f"specd bench tp: {settings.num_seqs} sequences x {settings.context_len} cached tokens, same run")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main(settings: TPSettings, json_path: Path | None = None, out_dir: Path | None = None) -> list[TPRow]:
     rows = measure(settings)
     print(f"{settings.num_seqs} sequences x {settings.context_len} cached tokens; tiny flavours; median of "
           f"{settings.repeats}; TP-{settings.world_size} over gloo on this CPU")
     print(format_table(rows, settings))
+    if out_dir is not None and json_path is None:
+        json_path = out_dir / "tp.json"
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps({"settings": asdict(settings), "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
+        print(f"wrote {json_path}")
+    if out_dir is not None:
+        print(f"wrote {plot(rows, settings, out_dir / 'tp.png')}")
     return rows
 
 
@@ -196,7 +224,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kinds", help=f"comma-separated subset of {','.join(KINDS)}")
     parser.add_argument("--world-size", type=int, default=2, help="tensor-parallel ranks (default 2)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
-    parser.add_argument("--json", help="also write the rows as JSON here")
+    parser.add_argument("--json", help="write the rows as JSON here (default OUT/tp.json)")
+    parser.add_argument("--out", default="out/bench", help="directory for tp.json and tp.png")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -207,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
         if unknown:
             raise ValueError(f"unknown kinds {sorted(unknown)}; choose from {', '.join(KINDS)}")
         settings.kinds = tuple(args.kinds.split(","))
-    main(settings, Path(args.json) if args.json else None)
+    main(settings, Path(args.json) if args.json else None, Path(args.out))
     return 0
 
 
