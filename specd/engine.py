@@ -124,6 +124,11 @@ class EngineConfig:
     drafter_retry_s: float | None = None
     """After the drafter fails: decode plain for this long, then try it again (None = never again,
     right for a one-shot batch; a long-running server sets it so a drafter that comes back is used)."""
+    draft_headroom: int | None = None
+    """With ``adaptive_block``: draft blocks (and candidate blocks) of at most the length the cost
+    model last chose plus this many tokens, not the full ``block_size`` — the drafter's pass costs
+    tokens (on a CPU, in proportion), and tokens drafted past what is verified are wasted. The
+    headroom lets the chosen length grow by that much per step. None: always the full block."""
     cuda_graphs: bool = False
     """Replay the target's decode and verification passes from CUDA graphs at fixed row buckets
     (`specd.cuda_graphs`; full-attention targets only). Off by default: on the CPU it only runs the
@@ -136,6 +141,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be >= 0, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.draft_headroom is not None and self.draft_headroom < 1:
+            raise ValueError(f"draft_headroom must be >= 1 (or None for full blocks), got {self.draft_headroom}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -236,6 +243,7 @@ class SpeculativeEngine:
             # Decode (1) and every verification length the adaptive block can pick (1 + L).
             self._graphs = GraphRunner(target, self.cache, tokens=tuple(range(1, self.config.block_size + 2)))
         self.cost_model = CostModel()
+        self._chosen_length = self.config.block_size  # the cost model's last choice (draft_headroom)
         self.stats = EngineStats()
         self._pool = ThreadPoolExecutor(max_workers=1) if self.config.mode == "async" else None
         self._parked_drafter = None  # a drafter that failed, until its retry time
@@ -284,6 +292,7 @@ class SpeculativeEngine:
         self._unpark_drafter()
         self._ensure_blocks(running)
         length = self._verify_length(running)
+        self._chosen_length = length
         blocks = [s.block.tokens[:length] if s.block is not None else [] for s in running]
         future = self._speculate_async(running, blocks)
         start = time.perf_counter()
@@ -324,7 +333,7 @@ class SpeculativeEngine:
         if self.drafter is None or not need or self.config.block_size == 0:
             return
         requests = [
-            DraftRequest(seq_id=s.seq_id, context=s.context, block_size=self.config.block_size, params=s.params)
+            DraftRequest(seq_id=s.seq_id, context=s.context, block_size=self._draft_size(), params=s.params)
             for s in need
         ]
         start = time.perf_counter()
@@ -340,6 +349,13 @@ class SpeculativeEngine:
         for seq, block in zip(need, blocks):
             seq.block = block
 
+    def _draft_size(self) -> int:
+        """Tokens per drafted block: the full block, or the last chosen length + headroom."""
+        headroom = self.config.draft_headroom
+        if headroom is None or not self.config.adaptive_block:
+            return self.config.block_size
+        return min(self.config.block_size, self._chosen_length + headroom)
+
     def _verify_length(self, running: list[_Sequence]) -> int:
         longest = max((len(s.block.tokens) for s in running if s.block is not None), default=0)
         if not self.config.adaptive_block:
@@ -352,7 +368,7 @@ class SpeculativeEngine:
             return None
         requests = [
             SpeculateRequest(
-                seq_id=s.seq_id, context=list(s.context), block=block, block_size=self.config.block_size,
+                seq_id=s.seq_id, context=list(s.context), block=block, block_size=self._draft_size(),
                 budget=self.config.candidate_budget, params=s.params,
             )
             for s, block in zip(running, blocks)

@@ -75,6 +75,8 @@ class VerifierConfig(ServiceConfig):
     mode: str = field(default="async", metadata={"help": "async: draft during verification (D3D); sync: after"})
     candidate_budget: int = field(default=4, metadata={"help": "outcomes (k, c) drafted ahead per sequence"})
     adaptive_block: bool = field(default=True, metadata={"help": "let the cost model shorten blocks"})
+    draft_headroom: int = field(default=0, metadata={
+        "help": "draft blocks of at most the cost model's last chosen length + this many tokens (0 = full blocks)"})
     drafter_timeout: float = field(default=10.0, metadata={"help": "deadline of one drafter call, seconds"})
     drafter_retry_seconds: float = field(default=2.0, metadata={"help": "pause before retrying a failed drafter"})
     redis_url: str = field(default="", metadata={"help": "Redis for request traces (empty = none)"})
@@ -97,6 +99,8 @@ class VerifierConfig(ServiceConfig):
             raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {self.attention_backend!r}")
         if self.port == 0:
             self.port = 50051
+        if self.draft_headroom < 0:
+            raise ValueError(f"draft_headroom must be >= 0 (0 = full blocks), got {self.draft_headroom}")
         if self.tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
         if self.tensor_parallel > 1 and self.cuda_graphs:
@@ -263,7 +267,8 @@ def main(argv: list[str] | None = None) -> None:
         target, drafters,
         EngineConfig(max_num_seqs=config.max_num_seqs, block_size=config.block_size if drafters else 0,
                      mode=config.mode, candidate_budget=config.candidate_budget,
-                     adaptive_block=config.adaptive_block, drafter_retry_s=config.drafter_retry_seconds,
+                     adaptive_block=config.adaptive_block, draft_headroom=config.draft_headroom or None,
+                     drafter_retry_s=config.drafter_retry_seconds,
                      cuda_graphs=config.cuda_graphs),
         max_model_len=config.max_model_len or None,
         drafter_version=(lambda: drafters.version) if drafters else (lambda: ""),

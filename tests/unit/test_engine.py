@@ -273,3 +273,28 @@ def test_sampled_engine_output_has_the_target_distribution(temperature, top_p):
     ok, report = chi_square_check(samples, exact)
     assert ok, report
     assert engine.stats.num_accepted_tokens > 0  # drafts were really used, not only corrections
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_draft_headroom_drafts_what_is_verified_and_stays_lossless(target, drafter_model, mode):
+    """With draft_headroom, every Draft/Speculate asks for at most the cost model's last chosen
+    length + headroom tokens (the first call: the full block), and greedy output is unchanged."""
+    batch = prompts(4)
+    params = SamplingParams(max_tokens=32)
+    expected = [g.token_ids for g in autoregressive(target, batch, params)]
+    drafter = D3DDrafter(drafter_model, max_num_seqs=4)
+    asked = []  # (block size asked for, length the cost model chose last)
+    for name in ("draft", "speculate"):
+        def record(requests, _call=getattr(drafter, name)):
+            asked.extend((r.block_size, engine._chosen_length) for r in requests)
+            return _call(requests)
+        setattr(drafter, name, record)
+    engine = SpeculativeEngine(target, drafter, EngineConfig(max_num_seqs=4, block_size=16, mode=mode, draft_headroom=2))
+    # A random drafter's confidence is low: the cost model picks short lengths.
+    got = [g.token_ids for g in engine.generate(batch, params)]
+    engine.close()
+    assert got == expected
+    assert asked and all(size <= min(16, chosen + 2) for size, chosen in asked)
+    assert any(size < 16 for size, _ in asked[1:]), "the drafted block never followed the chosen length"
+    with pytest.raises(ValueError, match="draft_headroom"):
+        EngineConfig(draft_headroom=0)
