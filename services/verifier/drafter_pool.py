@@ -10,7 +10,10 @@ service. Design choices:
   tracing). A replica is used once its ``Info`` answered and agreed with the others on
   ``vocab_size`` and ``max_block``.
 - **Sticky sequences.** A sequence stays on the replica that holds its context and cache; a new
-  one goes to the replica with the fewest live sequences. One engine call (every sequence of a
+  one goes to the replica with the fewest of this verifier's live sequences, ties broken at
+  random: every verifier resolves the same replica list, and with first-in-list tie-breaking the
+  first sequence of every verifier would land on the same replica (at one sequence per verifier,
+  one drafter would serve the whole cluster). One engine call (every sequence of a
   step) is split by replica and the parts run concurrently: Draft as a unary call, Speculate over
   one bidirectional stream per replica that stays open (a queue feeds it, a reader thread drains
   it), answers paired by ``step``. Results are merged back in request order.
@@ -35,6 +38,7 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+import random
 import secrets
 import socket
 import threading
@@ -198,6 +202,7 @@ class RemoteDrafters:
         self.vocab_size = vocab_size
         self.max_block = max_block
         self._lock = threading.Lock()  # replicas, sequences, stats
+        self._rng = random.Random(secrets.randbits(64))  # placement ties: see the module docstring
         self._replicas: dict[str, _Replica] = {}
         self._resolved: dict[str, list[str]] = {}  # configured address -> replica addresses
         self._resolved_at = float("-inf")
@@ -317,7 +322,8 @@ class RemoteDrafters:
                 if seq.replica not in live:
                     if seq.replica is not None:
                         seq.replica.num_seqs -= 1
-                    seq.replica = min(live, key=lambda r: r.num_seqs)
+                    fewest = min(r.num_seqs for r in live)
+                    seq.replica = self._rng.choice([r for r in live if r.num_seqs == fewest])
                     seq.replica.num_seqs += 1
                     seq.sent = 0
                 parts.setdefault(seq.replica, []).append(i)

@@ -46,7 +46,7 @@ It models what the services do, step by step, with costs from a profile (`specd.
   round trips through a replica (``serving.drafter_round_trips``) already holds loopback gRPC, and
   its ``rpc_seconds`` is only what a network adds.
 - **Placement** (`services.verifier.drafter_pool`): a sequence sticks to the replica that had the
-  fewest of this verifier's live sequences when it arrived (ties: the first replica), so one
+  fewest of this verifier's live sequences when it arrived (ties: a random one of them), so one
   verifier's step is split across replicas and its parts run concurrently (``spread``).
   ``affinity`` pins each verifier to one replica instead — a what-if, not what the pool does.
 - **Clients**: a closed loop of ``concurrency`` clients (each sends its next request when the
@@ -431,7 +431,9 @@ class Simulation:
             if self.config.placement == "affinity":
                 index = v.index % len(self.drafters)
             else:
-                index = min(range(len(self.drafters)), key=v.placed.__getitem__)
+                fewest = min(v.placed)
+                ties = [i for i, n in enumerate(v.placed) if n == fewest]
+                index = ties[int(self.rng.integers(len(ties)))] if len(ties) > 1 else ties[0]
             v.placed[index] += 1
             seq.replica = self.drafters[index]
         v.running.append(seq)

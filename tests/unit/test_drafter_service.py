@@ -209,6 +209,21 @@ def test_two_replicas_spread_fail_over_and_then_unavailable(checkpoints):
     pool.close()
 
 
+def test_verifiers_with_one_sequence_each_do_not_all_pick_the_first_replica(checkpoints):
+    """Each pool is one verifier that knows only its own sequences: the first sequence of every
+    verifier ties on every replica, and ties go to a random one — else one replica of the cluster
+    would draft for every verifier at one sequence each."""
+    with drafter_replica(checkpoints["v1"]) as (_, _, a), drafter_replica(checkpoints["v1"]) as (_, _, b):
+        chosen = []
+        for verifier in range(16):
+            pool = RemoteDrafters([a, b], CONFIG, timeout=30.0, retry_seconds=60.0)
+            pool.draft(drafts({0: prompt(verifier, 6)}, {0: GREEDY}))
+            chosen.append(pool.replica_of(0))
+            pool.close()
+        # 16 fair coin flips all alike: probability 2 ** -15.
+        assert set(chosen) == {a, b}, chosen
+
+
 def test_no_replica_at_construction_is_unavailable():
     with socket.socket() as probe:  # a port nobody listens on
         probe.bind(("127.0.0.1", 0))

@@ -208,3 +208,14 @@ def test_replicas_sharing_one_device_take_turns_and_pay_each_pass_s_fixed_cost()
     assert steps["one"] == pytest.approx(0.007, rel=0.05)
     with pytest.raises(ValueError, match="drafter_devices"):
         SimConfig(drafter_devices=-1)
+
+
+def test_verifiers_with_one_sequence_each_spread_over_the_drafters():
+    """16 verifiers of one client each and 4 drafters: each verifier's sequences tie on every
+    replica (it knows only its own), and ties go to a random replica, so the drafters share the
+    load; first-in-list ties would put every sequence on drafter 0."""
+    prof = profile(drafter=lambda b, t: 0.004 * b)
+    result = simulate(prof, SimConfig(mode="async", verifiers=16, drafters=4, adaptive_block=False, hit_rate=0.0),
+                      closed(16, 160, output=64))
+    print(f"drafter busy: mean {result.drafter_utilisation:.0%}, max {result.drafter_utilisation_max:.0%}")
+    assert result.drafter_utilisation_max < 1.5 * result.drafter_utilisation
