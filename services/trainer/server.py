@@ -24,10 +24,20 @@ group) into a `specd.train.online.OnlineLearner`, which decides everything else:
 SIGTERM: the gRPC server drains, the loop finishes its current step, saves, acknowledges and exits.
 One trainer replica owns a lineage of drafter weights; the consumer group is what lets a replaced
 pod (a new consumer name) take over its predecessor's unacknowledged traces (``claim_idle_ms``).
+
+``--data-parallel N`` trains the drafter on N ranks with FSDP2 (`specd.train.online_parallel`),
+launched as ``torchrun --nproc-per-node N --standalone -m services.trainer --data-parallel N ...``
+(each rank on ``cuda:LOCAL_RANK`` with NCCL, or on the CPU with gloo). Rank 0 is everything above;
+each step's batch goes to every rank, rank 0 scores all ranks' proposal trees in one call, the
+checkpoint is DCP from every rank (traces acknowledged after it), and the gate and publishing use
+the full weights gathered on rank 0. The other ranks ignore SIGTERM and leave on rank 0's STOP,
+which it sends after its last save (`services.trainer.parallel`). A checkpoint directory keeps
+the kind it was started with (one process: ``state.pt``; data-parallel: DCP, any N > 1).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -42,6 +52,7 @@ import grpc
 import prometheus_client
 import redis
 import torch
+import torch.distributed as dist
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from services.common.broadcast import (
@@ -55,12 +66,14 @@ from services.common.checkpoints import stream_checkpoint
 from services.common.config import ServiceConfig, parse_config
 from services.common.server import MAX_MESSAGE_BYTES, GrpcServer, abort
 from services.common.telemetry import start_metrics_server
+from services.trainer.parallel import run_follower, start_ranks
 from services.trainer.scorer import RemoteScorer, ScoreError
 from services.trainer.stream import Entry, TraceStream
 from specd._proto.v1 import trainer_pb2, trainer_pb2_grpc
 from specd.models.d3d import D3DModel
 from specd.models.loading import ModelLoadError, load_model
 from specd.train.online import GateDecision, OnlineConfig, OnlineLearner, Published, Trace
+from specd.train.online_parallel import Leader, ParallelOnlineLearner
 from specd.train.specopd import LocalScorer, SpecOPDConfig, TreeScorer
 
 logger = logging.getLogger(__name__)
@@ -132,6 +145,10 @@ class TrainerConfig(ServiceConfig):
     broadcast_registry: str = field(default=REGISTRY_KEY, metadata={
         "help": "Redis sorted set where drafter replicas accepting broadcasts heartbeat"})
     broadcast_key: str = field(default=ANNOUNCEMENT_KEY, metadata={"help": "Redis key of the broadcast announcement"})
+    data_parallel: int = field(default=1, metadata={
+        "help": "ranks the drafter is trained on (FSDP2, one global batch of --batch-size traces per step); > 1: "
+                "launch as torchrun --nproc-per-node N --standalone -m services.trainer --data-parallel N ..., "
+                "each rank on cuda:LOCAL_RANK (NCCL) with a CUDA --device, else on the CPU (gloo); rank 0 serves"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -144,6 +161,13 @@ class TrainerConfig(ServiceConfig):
                              f"and verifier addresses (got top_k={self.top_k}, verifiers={self.verifiers})")
         if not 0 < self.score_channel_timeout <= 600:
             raise ValueError(f"score_channel_timeout must be in (0, 600] seconds, got {self.score_channel_timeout}")
+        if self.data_parallel < 1:
+            raise ValueError(f"data_parallel must be >= 1, got {self.data_parallel}")
+        if self.data_parallel > 1 and torch.device(self.device).type not in ("cpu", "cuda"):
+            raise ValueError(f"--data-parallel runs on cpu (gloo) or cuda (NCCL), not {self.device!r}")
+        if self.data_parallel > self.batch_size:
+            raise ValueError(f"batch_size ({self.batch_size}) is below data_parallel ({self.data_parallel}): "
+                             "every rank needs a trace per step")
         if self.broadcast_timeout <= 0:
             raise ValueError(f"broadcast_timeout must be > 0 seconds, got {self.broadcast_timeout}")
         if bool(self.target) == bool(self.verifiers):
@@ -208,18 +232,23 @@ class TrainerService:
 
     `poll` is one round of the loop (tests drive it directly); `run` repeats it until `stop`.
     Construction loads the models and the online checkpoint: ValueError (ModelLoadError for a
-    model directory) with what to fix when one of them cannot be used.
+    model directory) with what to fix when one of them cannot be used. With ``leader`` (rank 0 of
+    a data-parallel trainer) the drafter trains on every rank (`ParallelOnlineLearner`).
     """
 
     def __init__(self, config: TrainerConfig, *, client: redis.Redis | None = None,
-                 metrics: TrainerMetrics | None = None) -> None:
+                 metrics: TrainerMetrics | None = None, leader: Leader | None = None) -> None:
         self.config = config
         self.client = client or redis.Redis.from_url(config.redis_url, decode_responses=True)
         self.metrics = metrics or TrainerMetrics(CollectorRegistry())
         drafter = _load_drafter(config.drafter, config.device)
         self.scorer = self._scorer(config, drafter)
-        self.learner = OnlineLearner(self.scorer, drafter, _load_drafter(config.drafter, config.device), Path(config.checkpoint_dir),
-                                     config=config.specopd(), online=config.online())
+        live, directory = _load_drafter(config.drafter, config.device), Path(config.checkpoint_dir)
+        options = {"config": config.specopd(), "online": config.online()}
+        if leader is None:
+            self.learner = OnlineLearner(self.scorer, drafter, live, directory, **options)
+        else:
+            self.learner = ParallelOnlineLearner(self.scorer, drafter, live, directory, leader=leader, **options)
         if self.learner.load():
             logger.info("resumed the online checkpoint at step %d (live version %r)",
                         self.learner.num_steps, self.learner.counters.live_version or "initial")
@@ -268,6 +297,7 @@ class TrainerService:
         while not self._stop.is_set():
             try:
                 self.poll()
+                self.learner.idle()
                 backoff = 1.0
             except (redis.ConnectionError, redis.TimeoutError, ScoreError) as error:
                 logger.warning("%s; retrying in %.0fs", error, backoff)
@@ -501,6 +531,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if config.threads:
         torch.set_num_threads(config.threads)
+    leader = None
+    if config.data_parallel > 1:
+        try:
+            ranks = start_ranks(config.data_parallel, config.device)
+        except RuntimeError as error:
+            raise SystemExit(f"trainer: {error}") from None
+        config = dataclasses.replace(config, device=str(ranks.device))
+        if not ranks.is_main:  # no server, no Redis: this rank applies rank 0's commands
+            code = run_follower(config.drafter, ranks)
+            dist.destroy_process_group()
+            raise SystemExit(code)
+        leader = Leader(ranks)
     servicer = TrainerServicer()
     server = GrpcServer("specd-trainer", config)
     trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server.server)
@@ -508,10 +550,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     if config.metrics_port >= 0:
         logger.info("metrics on :%d/metrics", start_metrics_server(config.metrics_port))
     try:
-        service = TrainerService(config, metrics=TrainerMetrics(prometheus_client.REGISTRY))
-    except (ValueError, redis.RedisError) as error:
+        service = TrainerService(config, metrics=TrainerMetrics(prometheus_client.REGISTRY), leader=leader)
+    except BaseException as error:
         server.stop(None)
-        raise SystemExit(f"trainer: cannot start: {error}") from None
+        if leader is not None:  # the other ranks wait for rank 0's word: let them go
+            leader.close()
+        if isinstance(error, (ValueError, redis.RedisError)):
+            raise SystemExit(f"trainer: cannot start: {error}") from None
+        raise
     servicer.service = service
     failure: list[BaseException] = []
 
@@ -531,5 +577,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     server.wait_for_termination(on_drain=service.stop)
     service.stop()
     thread.join()
+    service.learner.close()  # after the last save and its acknowledgements: the other ranks may go
+    if leader is not None and leader.state == "closed":
+        dist.destroy_process_group()
     if failure:
         raise SystemExit(f"trainer: the training loop failed: {failure[0]!r}")

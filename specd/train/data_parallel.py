@@ -17,6 +17,11 @@ gloo on CPUs). Design choices:
   pass, so ranks running different numbers of passes (one per item when ``B % W != 0``, or a
   skipped item) would hang. The branch sampler is therefore ours (`draft_logits` under no_grad,
   the training form of `sample_branches`' pass) rather than `SpecOPDTrainer.supervise` per item.
+- **Scoring where the target is**: offline, every rank holds a copy of the target and scores its
+  own trees. When only rank 0 can score (the trainer service: verifiers' ``Score`` or one local
+  target), `GatheredScorer` makes scoring one collective per step: rank 0 scores the trees of all
+  ranks in one call and sends each rank its rows; a scorer failure aborts the step on every rank
+  before training, so the step can be retried whole.
 - **The global mean, not a mean of means**: every loss in `specd.train.losses` is a mean over a
   count (E2E-TV: branches with a valid position; KL/TV: valid positions). Each rank scales its
   local mean by local count / global count (counts all-reduced first), so the rank terms sum to
@@ -82,6 +87,7 @@ from specd.train.specopd import (
     screen,
     stop_mask,
 )
+from specd.tree import TokenTree
 
 logger = logging.getLogger(__name__)
 
@@ -153,16 +159,88 @@ def shard_drafter(drafter: D3DModel, mesh: DeviceMesh, *, sum_gradients: bool = 
     return drafter
 
 
-def export_drafter(drafter: D3DModel, directory: str | Path, ranks: Ranks) -> None:
-    """Gather the full weights on rank 0 and write them as a usual model directory (collective)."""
+def gather_drafter(drafter: D3DModel, ranks: Ranks) -> D3DModel | None:
+    """The full weights as a plain (unsharded) drafter on rank 0's CPU, None on the others (collective)."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(drafter, options=options)  # every rank takes part; rank 0 gets tensors
-    if ranks.is_main:
-        with torch.device("meta"):
-            plain = D3DModel(drafter.config)
-        plain.load_state_dict(state, assign=True)
+    if not ranks.is_main:
+        return None
+    with torch.device("meta"):  # no second random initialisation: the gathered tensors are assigned
+        plain = D3DModel(drafter.config)
+    plain.load_state_dict(state, assign=True)
+    return plain.eval()
+
+
+def export_drafter(drafter: D3DModel, directory: str | Path, ranks: Ranks) -> None:
+    """Gather the full weights on rank 0 and write them as a usual model directory (collective)."""
+    plain = gather_drafter(drafter, ranks)
+    if plain is not None:
         save_model(plain, directory)
     dist.barrier()
+
+
+# ---------------------------------------------------------------------------- scoring on rank 0 only
+class ScoringAborted(RuntimeError):
+    """Rank 0's scorer failed on this step's trees; every rank leaves the step before training.
+
+    On rank 0, ``error`` is the scorer's own exception (the caller decides: retry, drop the
+    batch); on the others it is None and the message says what rank 0 saw.
+    """
+
+    def __init__(self, message: str, error: Exception | None = None) -> None:
+        super().__init__(message)
+        self.error = error
+
+
+class GatheredScorer:
+    """A `TreeScorer` for ranks of which only rank 0 can score (the verifiers' client, or the one
+    copy of a target): every rank calls `score` ONCE per step with its own trees (none when it
+    holds nothing usable: `DataParallelSpecOPD.supervise` still calls it), rank 0 scores the trees
+    of all ranks in one call of ``scorer`` and sends each rank its rows (`dist.send`, fp32).
+
+    Collective, so every rank must call it at the same point; when rank 0's scorer raises, every
+    rank raises `ScoringAborted` there, before any training collective, and the step can be
+    retried whole (its item seeds do not move until a step completes).
+    """
+
+    def __init__(self, scorer: TreeScorer | None, ranks: Ranks, *, vocab_size: int,
+                 stop_token_ids: Sequence[int]) -> None:
+        if (scorer is not None) != ranks.is_main:
+            raise ValueError("rank 0, and only rank 0, holds the scorer of a GatheredScorer")
+        self.scorer, self.ranks = scorer, ranks
+        self.vocab_size = vocab_size
+        self.stop_token_ids = tuple(stop_token_ids)
+
+    def score(self, contexts: list[list[int]], trees: list[TokenTree], context_rows: list[list[int]]) -> list[Tensor]:
+        requests: list[tuple | None] = [None] * self.ranks.world_size
+        dist.all_gather_object(requests, (contexts, trees, context_rows))  # token ids only: small
+        if not self.ranks.is_main:
+            failure = [None]
+            dist.broadcast_object_list(failure, src=0)
+            if failure[0] is not None:
+                raise ScoringAborted(f"rank 0 could not score this step: {failure[0]}")
+            if not contexts:
+                return []
+            num_rows = [len(rows) + tree.num_nodes for rows, tree in zip(context_rows, trees)]
+            probs = torch.empty(sum(num_rows), self.vocab_size, device=self.ranks.device)
+            dist.recv(probs, src=0)
+            return list(probs.split(num_rows))
+        everything = [[item for request in requests for item in request[part]] for part in range(3)]
+        try:
+            probs = self.scorer.score(*everything) if everything[0] else []
+        except Exception as error:  # told to every rank, then raised here for the caller to judge
+            dist.broadcast_object_list([f"{type(error).__name__}: {error}"], src=0)
+            raise ScoringAborted(f"the scorer failed: {error}", error) from error
+        dist.broadcast_object_list([None], src=0)
+        start = 0
+        for rank, request in enumerate(requests):  # sequences in rank order, as gathered
+            mine = probs[start : start + len(request[0])]
+            start += len(request[0])
+            if rank == 0:
+                own = mine
+            elif mine:
+                dist.send(torch.cat(mine).to(self.ranks.device, torch.float32).contiguous(), dst=rank)
+        return own
 
 
 # ---------------------------------------------------------------------------- the trainer
@@ -238,6 +316,8 @@ class DataParallelSpecOPD:
         with torch.no_grad():
             q = self._logits(prefixes, anchors).float().softmax(-1)  # [num_groups, block, vocab]
         if not kept:
+            if isinstance(self.scorer, GatheredScorer):  # collective: an idle rank still joins
+                self.scorer.score([], [], [])
             return None, skipped
         num_branches, block = config.branches_per_anchor, config.block_size
         branches, start = [], 0
@@ -351,13 +431,20 @@ class DataParallelSpecOPD:
             shutil.rmtree(old, ignore_errors=True)
         dist.barrier()
 
-    def load(self, directory: str | Path, data: TrajectorySource) -> dict:
-        """Restore what `save` wrote, at any number of ranks; returns its log (collective)."""
+    def read_state(self, directory: str | Path) -> dict:
+        """The ``trainer.json`` of a checkpoint `save` wrote; ValueError when its configuration is
+        not this trainer's (not collective: a caller may check before asking the others to `load`)."""
         directory = Path(directory)
         state = json.loads((directory / TRAINER_STATE).read_text())
         if state["config"] != json.loads(json.dumps(asdict(self.config))):
             raise ValueError(f"{directory} was written with another configuration ({state['config']}): "
                              "resume with the same options, or train into another --out")
+        return state
+
+    def load(self, directory: str | Path, data: TrajectorySource) -> dict:
+        """Restore what `save` wrote, at any number of ranks; returns its log (collective)."""
+        directory = Path(directory)
+        state = self.read_state(directory)
         model_state, optimizer_state = get_state_dict(self.drafter, self.optimizer)
         loaded = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(loaded, checkpoint_id=str(directory / "dcp"))  # in place, resharded to this mesh

@@ -55,6 +55,7 @@ import torch
 
 from specd.models.d3d import D3DModel
 from specd.models.loading import file_sha256, load_model, save_model
+from specd.train.data_parallel import TRAINER_STATE
 from specd.train.opd import load_checkpoint, save_checkpoint
 from specd.train.specopd import (
     SpecOPDConfig,
@@ -278,7 +279,8 @@ class OnlineLearner:
                  config: SpecOPDConfig | None = None, online: OnlineConfig | None = None) -> None:
         self.config = config or SpecOPDConfig()
         self.online = online or OnlineConfig()
-        self.trainer = SpecOPDTrainer(scorer, drafter, self.config)
+        self.scorer = scorer
+        self.trainer = self._trainer(scorer, drafter)
         # The live drafter only ever evaluates; a distiller around it shares the scorer and config.
         self.live = SpecOPDTrainer(scorer, live.eval(), self.config)
         self.directory = Path(directory)
@@ -288,6 +290,20 @@ class OnlineLearner:
         self.published: OrderedDict[str, dict[str, str]] = OrderedDict()  # version -> sha256 map
         self.batch: list[Trace] = []
         self.steps_at_version = 0  # num_steps at the last checkpoint
+
+    def _trainer(self, scorer: TreeScorer, drafter: D3DModel) -> SpecOPDTrainer:
+        """What trains ``drafter`` (a subclass trains it over data-parallel ranks)."""
+        return SpecOPDTrainer(scorer, drafter, self.config)
+
+    def weights(self) -> D3DModel:
+        """The weights being trained, whole: what the gate judges and a version holds by default."""
+        return self.trainer.drafter
+
+    def idle(self) -> None:
+        """Called by the service between polls (a subclass keeps other ranks waiting here alive)."""
+
+    def close(self) -> None:
+        """Called by the service once it has saved for the last time (a subclass releases its ranks)."""
 
     # ------------------------------------------------------------------ paths
     @property
@@ -329,14 +345,18 @@ class OnlineLearner:
         When the scorer raises (e.g. no verifier reachable) the batch stays queued and nothing
         counts, so the caller may retry.
         """
-        result = self.trainer.step([trace.trajectory for trace in self.batch])
-        if result.num_supervised_tokens == 0:
-            self.trainer.num_steps += 1  # a batch with nothing usable still counts as a step (as in train_opd)
+        result = self._train([trace.trajectory for trace in self.batch])
         for trace in self.batch:
             self.trained_ids[trace.trace_id] = None
         while len(self.trained_ids) > self.online.remember_traces:
             self.trained_ids.popitem(last=False)
         self.batch = []
+        return result
+
+    def _train(self, trajectories: list[Trajectory]) -> StepResult:
+        result = self.trainer.step(trajectories)
+        if result.num_supervised_tokens == 0:
+            self.trainer.num_steps += 1  # a batch with nothing usable still counts as a step (as in train_opd)
         return result
 
     def count_dead_letter(self) -> None:
@@ -355,14 +375,16 @@ class OnlineLearner:
         """Write the online checkpoint (weights, optimizer, RNGs, trained ids, held-out traces,
         counters) to a temporary directory and rename it into place."""
         self.steps_at_version = self.trainer.num_steps
+        self._save_checkpoint()
+
+    def _save_checkpoint(self) -> None:
         save_checkpoint(self.checkpoint_dir, self.trainer, self, METHOD, {})
 
     def load(self) -> bool:
         """Load the online checkpoint when there is one (and the live version's weights as the
         gate's reference); False when starting fresh."""
-        if not (self.checkpoint_dir / "state.pt").is_file():
+        if not self._load_checkpoint():
             return False
-        load_checkpoint(self.checkpoint_dir, self.trainer, self, METHOD)
         self.batch = []
         self.steps_at_version = self.trainer.num_steps
         live = self.counters.live_version
@@ -387,6 +409,15 @@ class OnlineLearner:
         self.counters.versions_published += 1
         return True
 
+    def _load_checkpoint(self) -> bool:
+        if (self.checkpoint_dir / TRAINER_STATE).is_file():
+            raise ValueError(f"{self.checkpoint_dir} holds a data-parallel checkpoint ({TRAINER_STATE} + dcp/): "
+                             "resume it with --data-parallel N under torchrun, or use another checkpoint directory")
+        if not (self.checkpoint_dir / "state.pt").is_file():
+            return False
+        load_checkpoint(self.checkpoint_dir, self.trainer, self, METHOD)
+        return True
+
     # `save_checkpoint` / `load_checkpoint` keep a data source's cursor with its state() and
     # restore(); for the online trainer the learner is that source.
     def state(self) -> dict:
@@ -406,13 +437,13 @@ class OnlineLearner:
 
     # ------------------------------------------------------------------ the gate and versions
     def judge(self, candidate: D3DModel | None = None) -> GateDecision:
-        """Gate ``candidate`` (default: the weights being trained) against the live drafter."""
+        """Gate ``candidate`` (default: the weights being trained, `weights`) against the live drafter."""
         heldout = list(self.heldout.values())
         if len(heldout) < self.online.min_heldout:
             decision = GateDecision(passed=False, candidate_tau=math.nan, live_tau=math.nan,
                                     reason=f"{len(heldout)} held-out traces, the gate needs {self.online.min_heldout}")
         else:
-            distiller = self.trainer if candidate is None else SpecOPDTrainer(self.trainer.scorer, candidate, self.config)
+            distiller = self.trainer if candidate is None else SpecOPDTrainer(self.scorer, candidate, self.config)
             kwargs = {"seed": self.online.gate_seed, "batch_size": self.online.gate_batch_size}
             candidate_tau = expected_tau(distiller, heldout, **kwargs)
             live_tau = expected_tau(self.live, heldout, **kwargs)
@@ -428,12 +459,12 @@ class OnlineLearner:
 
     def write(self, candidate: D3DModel | None = None) -> Published:
         """Write ``candidate`` (default: the weights being trained) as a version directory."""
-        return write_version(self.trainer.drafter if candidate is None else candidate, self.versions_dir, self.num_steps)
+        return write_version(self.weights() if candidate is None else candidate, self.versions_dir, self.num_steps)
 
     def make_live(self, published: Published, decision: GateDecision, candidate: D3DModel | None = None) -> None:
         """Record ``published`` as the live version (once the service has announced it) and make
         its weights the gate's new reference; prune old version directories."""
-        source = self.trainer.drafter if candidate is None else candidate
+        source = self.weights() if candidate is None else candidate
         self.live.drafter.load_state_dict(source.state_dict())
         self.published[published.version] = published.sha256
         self.published.move_to_end(published.version)
