@@ -91,9 +91,7 @@ PARALLEL = merge_values(VALUE_SETS["gpu"], {  # multi-process verifier and train
     "trainer": {"dataParallel": 2, "resources": {"requests": {"nvidia.com/gpu": 1}}}})
 CHECKED_VALUE_SETS = {**VALUE_SETS, "minimal": MINIMAL, "parallel": PARALLEL}  # lint, schemas, pod hardening
 # Config fields the chart sets from verifier.tensorParallel and trainer.dataParallel (as
-# --tensor-parallel / --data-parallel, only when > 1). The services gain them with multi-process
-# serving and training; until a service has its field, a render that passes the flag must fail
-# to parse (xfail, strict: the mark lifts itself once the field exists).
+# --tensor-parallel / --data-parallel, only when > 1).
 PARALLEL_FIELDS = {"verifier": ("tensorParallel", "tensor_parallel"), "trainer": ("dataParallel", "data_parallel")}
 _RENDERED: dict[str, list[dict]] = {}
 
@@ -210,22 +208,7 @@ def _parse(role: str, manifests: list[dict], secrets: dict | None = None):
                     f"{ {k: v for k, v in env.items() if k.startswith('SPECD_')} } do not parse (see stderr)")
 
 
-def _unless_parallel_field(role: str):
-    """xfail (strict) while ROLES[role] lacks the field its multi-process flag sets."""
-    name = PARALLEL_FIELDS[role][1]
-    missing = name not in {f.name for f in dataclasses.fields(ROLES[role])}
-    flag = "--" + name.replace("_", "-")
-    return pytest.mark.xfail(missing, raises=pytest.fail.Exception, strict=True,
-                             reason=f"{ROLES[role].__name__} has no {name} yet: {flag} cannot parse")
-
-
-def _multi_process_roles(values: dict) -> list[str]:
-    return [role for role, (key, _) in PARALLEL_FIELDS.items() if values.get(role, {}).get(key, 1) > 1]
-
-
-@pytest.mark.parametrize("value_set", [
-    pytest.param(name, marks=[_unless_parallel_field(role) for role in _multi_process_roles(values)])
-    for name, values in VALUE_SETS.items()])
+@pytest.mark.parametrize("value_set", list(VALUE_SETS))
 def test_rendered_flags_and_environment_parse_with_the_services_configs(value_set):
     manifests = rendered(value_set)
     values = VALUE_SETS[value_set]
@@ -285,8 +268,8 @@ def test_schema_config_blocks_are_the_service_config_fields():
 
     check(schema["properties"]["config"], ServiceConfig, CHART_OWNED["common"], "config")
     for role, config_class in ROLES.items():
-        # tensor_parallel / data_parallel, once the config has it: set from tensorParallel / dataParallel
-        parallel = {PARALLEL_FIELDS.get(role, ("", ""))[1]} & {f.name for f in dataclasses.fields(config_class)}
+        # tensor_parallel / data_parallel: set from tensorParallel / dataParallel
+        parallel = {PARALLEL_FIELDS[role][1]} if role in PARALLEL_FIELDS else set()
         check(schema["$defs"][f"{role}Config"], config_class, CHART_OWNED["common"] | CHART_OWNED[role] | parallel,
               f"{role}.config")
 
@@ -650,7 +633,7 @@ def test_a_multi_process_pod_takes_the_roles_own_shm_size_and_environment_first(
     assert _shm(item) == {"medium": "Memory", "sizeLimit": "16Gi"}
 
 
-@pytest.mark.parametrize("role", [pytest.param(role, marks=_unless_parallel_field(role)) for role in PARALLEL_FIELDS])
+@pytest.mark.parametrize("role", list(PARALLEL_FIELDS))
 def test_a_multi_process_launch_parses_with_the_services_config(role):
     key, field = PARALLEL_FIELDS[role]
     config = _parse(role, render({role: {key: 4}}))
