@@ -155,6 +155,9 @@ class EngineStats:
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     num_drafts_per_pos: list[int] = field(default_factory=list)
+    confidence_sum_per_pos: list[float] = field(default_factory=list)
+    """Sum over verified blocks of the drafter's confidence at each position (what the cost model
+    is shown), beside what was accepted there."""
     num_emitted_tokens: int = 0
     num_target_passes: int = 0
     num_drafter_calls: int = 0
@@ -178,6 +181,17 @@ class EngineStats:
     @property
     def acceptance_per_pos(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.num_accepted_tokens_per_pos, self.num_drafts_per_pos)]
+
+    @property
+    def confidence_per_pos(self) -> list[float]:
+        """The drafter's mean confidence per position, over the blocks verified there."""
+        return [c / d if d else 0.0 for c, d in zip(self.confidence_sum_per_pos, self.num_drafts_per_pos)]
+
+    def count_confidence(self, confidence: list[float]) -> None:
+        while len(self.confidence_sum_per_pos) < len(confidence):
+            self.confidence_sum_per_pos.append(0.0)
+        for i, value in enumerate(confidence):
+            self.confidence_sum_per_pos[i] += value
 
     @property
     def overhead_per_step(self) -> float:
@@ -313,6 +327,7 @@ class SpeculativeEngine:
             seq.generation.accepted_lengths.append(result.num_accepted)
             self.stats.count_block(len(block), result.num_accepted)
             if seq.block is not None and block:
+                self.stats.count_confidence(seq.block.confidence[: len(block)])
                 predicted = CostModel.expected_accepted(seq.block.confidence, len(block))
                 self.cost_model.observe_acceptance(predicted, result.num_accepted)
             outcome = (result.num_accepted, result.next_token)

@@ -231,6 +231,7 @@ def measure_acceptance(target: nn.Module, drafter_model: nn.Module, prompts: lis
     stats = engine.stats
     return {
         "acceptance_per_pos": [round(a, 4) for a in stats.acceptance_per_pos][:block_size],
+        "confidence_per_pos": [round(c, 4) for c in stats.confidence_per_pos][:block_size],
         "hit_rate": round(stats.hit_rate, 4), "tau": round(stats.tau, 4),
         "overhead_per_step": stats.overhead_per_step, "batch": batch,
         "output_tokens": [len(g.token_ids) for g in generations],
@@ -349,6 +350,7 @@ def measure_profile(target: nn.Module, drafter_model: nn.Module, prompts: list[l
         "speculate": {"calls": [c for c in calls if c["call"] == "speculate"], **speculate_table.to_json()},
         "block_size": settings.block_size,
         "acceptance_per_pos": main_run["acceptance_per_pos"],
+        "confidence_per_pos": main_run["confidence_per_pos"],
         "hit_rate": main_run["hit_rate"],
         "tau": main_run["tau"],
         "candidate_budget": 4,

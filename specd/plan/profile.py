@@ -19,6 +19,8 @@ Schema (``version`` 1; fields marked * are required):
       "speculate": {"batch"*, "tokens"*, "seconds"*: Speculate calls (default: the drafter table)},
       "block_size"*: 8,                    the block the acceptance was measured at
       "acceptance_per_pos"*: [0.8, 0.6, ...],   non-increasing, each in [0, 1]
+      "confidence_per_pos": [0.9, 0.7, ...],   the drafter's mean confidence there (what the
+                                           engine's cost model is shown); default: the acceptance
       "hit_rate"*: 0.6,                    P(a candidate was ready for the outcome), async mode
       "candidate_budget": 4,               outcomes drafted ahead per sequence when measured
       "by_block": {"4": {"acceptance_per_pos": [...], "hit_rate": 0.7}, ...},   optional
@@ -143,6 +145,8 @@ class Profile:
     block_size: int
     acceptance_per_pos: list[float]
     hit_rate: float
+    confidence_per_pos: list[float] = field(default_factory=list)
+    """The drafter's mean confidence per position at ``block_size`` (empty: its acceptance)."""
     group_sizes: list[int] = field(default_factory=list)
     """The drafter's mask-group sizes (empty: a group is exactly block + 1)."""
     candidate_budget: int = 4
@@ -174,18 +178,31 @@ class Profile:
         has it, else the top-level ``acceptance_per_pos``; made non-increasing, and carried on past
         its end at its last per-position conditional rate (an assumption `specd plan` repeats)."""
         source = self.by_block[block].acceptance_per_pos if block in self.by_block else self.acceptance_per_pos
-        values = [min(max(a, 0.0), 1.0) for a in source]
-        for i in range(1, len(values)):  # counting noise must not make a later position likelier
-            values[i] = min(values[i], values[i - 1])
-        if not values:
-            return [0.0] * block
-        ratio = values[-1] / values[-2] if len(values) > 1 and values[-2] > 0 else values[-1]
-        while len(values) < block:
-            values.append(values[-1] * ratio)
-        return values[:block]
+        return _extended(source, block)
+
+    def confidence(self, block: int) -> list[float]:
+        """The drafter's confidence per position (what the engine's cost model weighs), measured
+        at ``block_size`` and carried on past it like the acceptance; unmeasured: the acceptance."""
+        if not self.confidence_per_pos:
+            return self.acceptance(block)
+        return _extended(self.confidence_per_pos, block)
 
     def hit_rate_for(self, block: int) -> float:
         return self.by_block[block].hit_rate if block in self.by_block else self.hit_rate
+
+
+def _extended(source: list[float], block: int) -> list[float]:
+    """Probabilities per position, clipped to [0, 1], made non-increasing, and carried on past
+    their end at the last per-position ratio."""
+    values = [min(max(a, 0.0), 1.0) for a in source]
+    for i in range(1, len(values)):  # counting noise must not make a later position likelier
+        values[i] = min(values[i], values[i - 1])
+    if not values:
+        return [0.0] * block
+    ratio = values[-1] / values[-2] if len(values) > 1 and values[-2] > 0 else values[-1]
+    while len(values) < block:
+        values.append(values[-1] * ratio)
+    return values[:block]
 
 
 class ProfileError(ValueError):
@@ -309,6 +326,7 @@ def parse_profile(data: Any, *, source: str = "profile") -> Profile:
     return Profile(
         target=target, drafter=drafter, speculate=speculate, block_size=block_size,
         acceptance_per_pos=acceptance("acceptance_per_pos", required(data, "acceptance_per_pos")),
+        confidence_per_pos=acceptance("confidence_per_pos", data["confidence_per_pos"]) if data.get("confidence_per_pos") else [],
         hit_rate=number("hit_rate", required(data, "hit_rate"), 0.0, 1.0),
         group_sizes=sorted(group_sizes), by_block=by_block,
         candidate_budget=int(number("candidate_budget", data.get("candidate_budget", 4), 0)),

@@ -20,7 +20,9 @@ It models what the services do, step by step, with costs from a profile (`specd.
   what the engine's own `specd.cost_model.CostModel` picks, one per verifier, fed as the engine
   feeds it: each pass's simulated seconds against ``1 + L`` tokens per row (prefill padding
   included, as the engine times it), each sequence's accepted length against its predicted one,
-  with the profile's acceptance per position standing in for the drafter's confidence. It
+  with the drafter's mean confidence per position from the profile (where measured; else its
+  acceptance) as each block's confidence, calibrated against the accepted lengths as the engine
+  calibrates it. It
   verifies the full block every ``explore_every``-th step.
 - **Accepted length** ``k`` per sequence per step is drawn from the profile's acceptance per
   position ``a_i = P(positions 0..i accepted)``: ``P(k >= i + 1) = a_i``, i.e. the conditional
@@ -316,11 +318,12 @@ class Simulation:
         self.speculative = config.mode != "plain" and config.block_size > 0
         block = config.block_size if self.speculative else 0
         self.acceptance = np.asarray(profile.acceptance(block) if block else [], dtype=np.float64)
-        self.cumulative = np.concatenate([[0.0], np.cumsum(self.acceptance)])  # expected accepted for L
         self.hit_rate = config.hit_rate if config.hit_rate is not None else profile.hit_rate_for(block)
         self.group = profile.group_size(block) if block else 0
         self.verifiers = [_Verifier(i, config.drafters, config.explore_every) for i in range(config.verifiers)]
-        self.confidence = self.acceptance.tolist()
+        # What the engine's cost model is shown: the drafter's own confidence, where measured.
+        self.confidence = profile.confidence(block) if block else []
+        self.predicted = np.concatenate([[0.0], np.cumsum(self.confidence)])  # confidence's expected accepted for L
         num_drafters = config.drafters if self.speculative else 0
         shared = [simpy.Resource(self.env, capacity=1) for _ in range(config.drafter_devices)]
         self.drafters = [_Drafter(self.env, i, shared[i % len(shared)] if shared else None) for i in range(num_drafters)]
@@ -456,7 +459,7 @@ class Simulation:
         self.pass_seqs += num
         self.accepted += int(accepted.sum())
         if length and self.config.adaptive_block:
-            predicted = float(self.cumulative[length])
+            predicted = float(self.predicted[length])
             for k in accepted.tolist():
                 v.cost.observe_acceptance(predicted, k)
         keep = []

@@ -219,3 +219,17 @@ def test_verifiers_with_one_sequence_each_spread_over_the_drafters():
                       closed(16, 160, output=64))
     print(f"drafter busy: mean {result.drafter_utilisation:.0%}, max {result.drafter_utilisation_max:.0%}")
     assert result.drafter_utilisation_max < 1.5 * result.drafter_utilisation
+
+
+def test_an_overconfident_drafter_gets_longer_blocks_as_the_engine_gives_it():
+    """The cost model weighs the drafter's confidence (calibrated by one scalar against what was
+    accepted), not the acceptance: a drafter whose confidence falls off slower than its acceptance
+    is given longer blocks, so more passes verify tokens that are rejected."""
+    cost = lambda b, t: 0.002 + 0.0004 * t  # noqa: E731 - each verified token costs a fifth of a decode
+    acceptance = [0.7 * 0.5 ** i for i in range(8)]
+    results = {}
+    for name, confidence in {"calibrated": None, "overconfident": [0.9 ** (i + 1) for i in range(8)]}.items():
+        prof = profile(target=cost, acceptance=acceptance, **({"confidence_per_pos": confidence} if confidence else {}))
+        results[name] = simulate(prof, SimConfig(mode="async", max_num_seqs=4), closed(4, 32, output=128))
+        print(f"{name}: tau {results[name].tau:.2f}, pass {1e3 * results[name].target_seconds_per_pass:.2f} ms")
+    assert results["overconfident"].target_seconds_per_pass > 1.15 * results["calibrated"].target_seconds_per_pass
