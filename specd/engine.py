@@ -155,6 +155,10 @@ class EngineStats:
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     num_drafts_per_pos: list[int] = field(default_factory=list)
+    block_samples: list[tuple[list[float], int]] | None = None
+    """When a list: every verified block's (confidence per position, accepted length) is appended
+    (`specd bench profile` keeps a sample for the simulator: which blocks get verified long, and
+    how much of them is accepted, go together)."""
     confidence_sum_per_pos: list[float] = field(default_factory=list)
     """Sum over verified blocks of the drafter's confidence at each position (what the cost model
     is shown), beside what was accepted there."""
@@ -328,6 +332,8 @@ class SpeculativeEngine:
             self.stats.count_block(len(block), result.num_accepted)
             if seq.block is not None and block:
                 self.stats.count_confidence(seq.block.confidence[: len(block)])
+                if self.stats.block_samples is not None:
+                    self.stats.block_samples.append((list(seq.block.confidence[: len(block)]), result.num_accepted))
                 predicted = CostModel.expected_accepted(seq.block.confidence, len(block))
                 self.cost_model.observe_acceptance(predicted, result.num_accepted)
             outcome = (result.num_accepted, result.next_token)

@@ -214,6 +214,14 @@ def _speculate_seconds(drafter: Drafter, draft: Callable, contexts: dict[int, li
 
 
 @torch.no_grad()
+def _block_samples(samples: list[tuple[list[float], int]], block_size: int, keep: int = 512) -> dict:
+    """Up to ``keep`` full-length blocks' (confidence per position, accepted length), drawn evenly."""
+    full = [(c, k) for c, k in samples if len(c) == block_size]
+    step = max(1, len(full) // keep)
+    chosen = full[::step][:keep]
+    return {"confidence": [[round(x, 4) for x in c] for c, _ in chosen], "accepted": [k for _, k in chosen]}
+
+
 def measure_acceptance(target: nn.Module, drafter_model: nn.Module, prompts: list[list[int]], *, block_size: int,
                        batch: int, max_tokens: int, budget: int = 4) -> dict:
     """One async engine run (greedy, the target's stop tokens, adaptive block off so every
@@ -222,6 +230,7 @@ def measure_acceptance(target: nn.Module, drafter_model: nn.Module, prompts: lis
     config = EngineConfig(max_num_seqs=batch, block_size=block_size, mode="async", candidate_budget=budget,
                           adaptive_block=False)
     engine = SpeculativeEngine(target, drafter, config)
+    engine.stats.block_samples = []
     stop = tuple(getattr(target.config, "stop_token_ids", ()))
     params = [SamplingParams(max_tokens=max_tokens, seed=i, stop_token_ids=stop) for i in range(len(prompts))]
     try:
@@ -232,6 +241,7 @@ def measure_acceptance(target: nn.Module, drafter_model: nn.Module, prompts: lis
     return {
         "acceptance_per_pos": [round(a, 4) for a in stats.acceptance_per_pos][:block_size],
         "confidence_per_pos": [round(c, 4) for c in stats.confidence_per_pos][:block_size],
+        "block_samples": _block_samples(stats.block_samples, block_size),
         "hit_rate": round(stats.hit_rate, 4), "tau": round(stats.tau, 4),
         "overhead_per_step": stats.overhead_per_step, "batch": batch,
         "output_tokens": [len(g.token_ids) for g in generations],
@@ -351,6 +361,7 @@ def measure_profile(target: nn.Module, drafter_model: nn.Module, prompts: list[l
         "block_size": settings.block_size,
         "acceptance_per_pos": main_run["acceptance_per_pos"],
         "confidence_per_pos": main_run["confidence_per_pos"],
+        "block_samples": main_run["block_samples"],
         "hit_rate": main_run["hit_rate"],
         "tau": main_run["tau"],
         "candidate_budget": 4,

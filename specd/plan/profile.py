@@ -21,6 +21,9 @@ Schema (``version`` 1; fields marked * are required):
       "acceptance_per_pos"*: [0.8, 0.6, ...],   non-increasing, each in [0, 1]
       "confidence_per_pos": [0.9, 0.7, ...],   the drafter's mean confidence there (what the
                                            engine's cost model is shown); default: the acceptance
+      "block_samples": {"confidence": [[...block_size values], ...], "accepted": [k, ...]},
+                                           verified full blocks: the drafter's confidence per
+                                           position and the accepted length, together (optional)
       "hit_rate"*: 0.6,                    P(a candidate was ready for the outcome), async mode
       "candidate_budget": 4,               outcomes drafted ahead per sequence when measured
       "by_block": {"4": {"acceptance_per_pos": [...], "hit_rate": 0.7}, ...},   optional
@@ -147,6 +150,10 @@ class Profile:
     hit_rate: float
     confidence_per_pos: list[float] = field(default_factory=list)
     """The drafter's mean confidence per position at ``block_size`` (empty: its acceptance)."""
+    sample_confidence: list[list[float]] = field(default_factory=list)
+    """Verified full blocks at ``block_size``: the drafter's confidence per position ..."""
+    sample_accepted: list[int] = field(default_factory=list)
+    """... and the accepted length of each (empty: no samples)."""
     group_sizes: list[int] = field(default_factory=list)
     """The drafter's mask-group sizes (empty: a group is exactly block + 1)."""
     candidate_budget: int = 4
@@ -203,6 +210,23 @@ def _extended(source: list[float], block: int) -> list[float]:
     while len(values) < block:
         values.append(values[-1] * ratio)
     return values[:block]
+
+
+def _samples(data: Any, block_size: int, fail) -> dict:
+    """``block_samples`` -> Profile fields, checked: rows of ``block_size`` probabilities, one
+    accepted length in 0..block_size each."""
+    if not data:
+        return {}
+    confidence, accepted = (data.get(k) if isinstance(data, dict) else None for k in ("confidence", "accepted"))
+    if not isinstance(confidence, list) or not isinstance(accepted, list) or len(confidence) != len(accepted) or not accepted:
+        raise fail("block_samples", "must be {confidence: [[...], ...], accepted: [...]} of the same non-zero length")
+    for row, k in zip(confidence, accepted):
+        if not isinstance(row, list) or len(row) != block_size or not all(
+                isinstance(x, (int, float)) and 0.0 <= x <= 1.0 for x in row):
+            raise fail("block_samples.confidence", f"each row must hold block_size ({block_size}) probabilities, got {row!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= block_size:
+            raise fail("block_samples.accepted", f"each must be an integer in 0..{block_size}, got {k!r}")
+    return {"sample_confidence": [[float(x) for x in row] for row in confidence], "sample_accepted": list(accepted)}
 
 
 class ProfileError(ValueError):
@@ -327,6 +351,7 @@ def parse_profile(data: Any, *, source: str = "profile") -> Profile:
         target=target, drafter=drafter, speculate=speculate, block_size=block_size,
         acceptance_per_pos=acceptance("acceptance_per_pos", required(data, "acceptance_per_pos")),
         confidence_per_pos=acceptance("confidence_per_pos", data["confidence_per_pos"]) if data.get("confidence_per_pos") else [],
+        **_samples(data.get("block_samples"), block_size, fail),
         hit_rate=number("hit_rate", required(data, "hit_rate"), 0.0, 1.0),
         group_sizes=sorted(group_sizes), by_block=by_block,
         candidate_budget=int(number("candidate_budget", data.get("candidate_budget", 4), 0)),

@@ -27,7 +27,11 @@ It models what the services do, step by step, with costs from a profile (`specd.
 - **Accepted length** ``k`` per sequence per step is drawn from the profile's acceptance per
   position ``a_i = P(positions 0..i accepted)``: ``P(k >= i + 1) = a_i``, i.e. the conditional
   ``P(accept i | all before) = a_i / a_{i-1}``. The step commits ``k + 1`` tokens (fewer at the
-  end of the output). Draws are independent across steps and sequences.
+  end of the output). Draws are independent across steps and sequences. Where the profile has
+  ``block_samples`` (verified blocks as measured: the drafter's confidence per position and the
+  accepted length, together), each sequence's step draws one instead: its confidence goes to the
+  cost model and ``min(its accepted length, L)`` is accepted — the engine verifies long where
+  the drafter is confident, and that is where tokens are accepted.
 - **async** (D3D): a Speculate call goes out with the pass and the step waits for
   ``max(pass, Speculate reply)``; afterwards each sequence *hits* with probability ``hit_rate``
   (independent of k: an assumption) and keeps its next block, or misses and needs a blocking
@@ -293,7 +297,7 @@ class _Drafter:
 
 
 class _Verifier:
-    __slots__ = ("busy", "cost", "index", "placed", "running", "steps", "waiting", "wake")
+    __slots__ = ("busy", "cost", "draws", "index", "placed", "running", "steps", "waiting", "wake")
 
     def __init__(self, index: int, num_drafters: int, explore_every: int) -> None:
         self.index = index
@@ -304,6 +308,7 @@ class _Verifier:
         self.busy = 0.0
         self.placed = [0] * num_drafters  # this verifier's live sequences per drafter replica
         self.cost = CostModel(explore_every=explore_every)  # the engine's block chooser
+        self.draws: np.ndarray | None = None  # this step's block sample per running sequence
 
 
 class Simulation:
@@ -324,6 +329,15 @@ class Simulation:
         # What the engine's cost model is shown: the drafter's own confidence, where measured.
         self.confidence = profile.confidence(block) if block else []
         self.predicted = np.concatenate([[0.0], np.cumsum(self.confidence)])  # confidence's expected accepted for L
+        # Verified blocks as measured (confidence per position, accepted length), drawn per
+        # sequence per step: the engine verifies long where the drafter is confident, and that is
+        # where it is accepted. Without samples (or past their length): mean confidence, and
+        # independent draws from the acceptance.
+        self.samples = None
+        if block and profile.sample_accepted and block <= len(profile.sample_confidence[0]):
+            confidence = np.asarray(profile.sample_confidence, dtype=np.float64)[:, :block]
+            self.samples = (confidence, np.minimum(np.asarray(profile.sample_accepted), block),
+                            np.concatenate([np.zeros((len(confidence), 1)), np.cumsum(confidence, axis=1)], axis=1))
         num_drafters = config.drafters if self.speculative else 0
         shared = [simpy.Resource(self.env, capacity=1) for _ in range(config.drafter_devices)]
         self.drafters = [_Drafter(self.env, i, shared[i % len(shared)] if shared else None) for i in range(num_drafters)]
@@ -442,26 +456,35 @@ class Simulation:
         v.running.append(seq)
 
     def _verify_length(self, v: _Verifier, rows: int) -> int:
+        if self.samples is not None:
+            v.draws = self.rng.integers(len(self.samples[1]), size=rows)
         if not self.config.adaptive_block:
             return self.config.block_size
+        if self.samples is not None:
+            return v.cost.choose_length(self.samples[0][v.draws].tolist(), self.config.block_size)
         return v.cost.choose_length([self.confidence] * rows, self.config.block_size)
 
     def _commit(self, v: _Verifier, length: int) -> None:
         running = v.running
         num = len(running)
-        if length:
-            accepted = (self.rng.random(num)[:, None] < self.acceptance[None, :length]).sum(axis=1)
-        else:
+        if not length:
             accepted = np.zeros(num, dtype=np.int64)
+        elif self.samples is not None:
+            accepted = np.minimum(self.samples[1][v.draws], length)
+        else:
+            accepted = (self.rng.random(num)[:, None] < self.acceptance[None, :length]).sum(axis=1)
         hits = self.rng.random(num) < self.hit_rate if self.config.mode == "async" else np.zeros(num, dtype=bool)
         arrive = self.env.now + self.hop
         self.passes += 1
         self.pass_seqs += num
         self.accepted += int(accepted.sum())
         if length and self.config.adaptive_block:
-            predicted = float(self.predicted[length])
-            for k in accepted.tolist():
-                v.cost.observe_acceptance(predicted, k)
+            if self.samples is not None:
+                predicted = self.samples[2][v.draws, length].tolist()
+            else:
+                predicted = [float(self.predicted[length])] * num
+            for guess, k in zip(predicted, accepted.tolist()):
+                v.cost.observe_acceptance(guess, k)
         keep = []
         for seq, k, hit in zip(running, accepted.tolist(), hits.tolist()):
             request = seq.request

@@ -76,6 +76,10 @@ def test_a_missing_field_is_named(field):
     ({"tensor_parallel": {"1": {"pass_scale": 1.0}}}, "tensor_parallel.1"),
     ({"tensor_parallel": {"2": {}}}, "tensor_parallel.2.pass_scale"),
     ({"tensor_parallel": {"2": {"pass_scale": 0}}}, "tensor_parallel.2.pass_scale"),
+    ({"confidence_per_pos": [0.9, 1.2]}, "confidence_per_pos"),
+    ({"block_samples": {"confidence": [[0.5] * 16], "accepted": [1, 2]}}, "block_samples"),
+    ({"block_samples": {"confidence": [[0.5] * 3], "accepted": [1]}}, "block_samples.confidence"),
+    ({"block_samples": {"confidence": [[0.5] * 16], "accepted": [17]}}, "block_samples.accepted"),
 ])
 def test_a_bad_field_is_named(change, field):
     with pytest.raises(ValueError, match=rf"field '{field}'"):

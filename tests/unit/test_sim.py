@@ -233,3 +233,20 @@ def test_an_overconfident_drafter_gets_longer_blocks_as_the_engine_gives_it():
         results[name] = simulate(prof, SimConfig(mode="async", max_num_seqs=4), closed(4, 32, output=128))
         print(f"{name}: tau {results[name].tau:.2f}, pass {1e3 * results[name].target_seconds_per_pass:.2f} ms")
     assert results["overconfident"].target_seconds_per_pass > 1.15 * results["calibrated"].target_seconds_per_pass
+
+
+def test_block_samples_let_the_cost_model_verify_long_only_where_the_drafter_is_right():
+    """Half the blocks are confident and fully accepted, half unconfident and rejected at once:
+    per-position acceptance 0.5 either way, but with the samples the cost model sees which is
+    which, verifies the good blocks whole and decodes plain on the bad ones — as the engine does."""
+    cost = lambda b, t: 0.002 + 0.001 * t  # noqa: E731
+    samples = {"confidence": [[0.95] * 8, [0.05] * 8] * 50, "accepted": [8, 0] * 50}
+    workload = closed(1, 16, output=512, prompt=1)
+    config = SimConfig(mode="async", max_num_seqs=1, explore_every=1000)
+    mean = simulate(profile(target=cost, acceptance=[0.5] * 8), config, workload)
+    joint = simulate(profile(target=cost, acceptance=[0.5] * 8, block_samples=samples), config, workload)
+    print(f"mean model: {mean.tokens_per_s:.0f} tok/s, tau {mean.tau:.2f}; "
+          f"samples: {joint.tokens_per_s:.0f} tok/s, tau {joint.tau:.2f}")
+    # Good blocks: 9 tokens for a 9-token pass (11 ms); bad ones: 1 token for a 1-token pass (3 ms).
+    assert joint.tokens_per_s == pytest.approx((9 + 1) / (0.011 + 0.003), rel=0.06)
+    assert joint.tokens_per_s > 1.2 * mean.tokens_per_s
