@@ -20,13 +20,12 @@ import json
 import os
 import shutil
 import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
+from spawned import run_spawned
 
 from specd.models.d3d import FLAVOURS as D3D_FLAVOURS
 from specd.models.d3d import D3DModel
@@ -122,18 +121,7 @@ def worker(rank: int, world_size: int, port: int, job: str, root: Path) -> None:
 
 
 def run_ranks(world_size: int, job: str, root: Path) -> float:
-    start = time.monotonic()
-    context = mp.start_processes(worker, args=(world_size, free_port(), job, root), nprocs=world_size,
-                                 join=False, start_method="spawn")
-    try:
-        while not context.join(timeout=max(1.0, TIMEOUT_S - (time.monotonic() - start))):
-            if time.monotonic() - start > TIMEOUT_S:
-                raise TimeoutError(f"{job} at {world_size} ranks did not finish in {TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    return time.monotonic() - start
+    return run_spawned(worker, (world_size, free_port(), job, root), world_size, TIMEOUT_S, f"{job} at {world_size} ranks")
 
 
 # ---------------------------------------------------------------------------- the properties

@@ -33,8 +33,8 @@ import pytest
 import redis
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
+from spawned import run_spawned
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from unit.redis_server import redis_server
 
@@ -129,17 +129,8 @@ def one_rank(rank: int, argv: list[str]) -> None:
 
 
 def run_one_rank(redis_url: str, models: Path, directory: Path) -> None:
-    start = time.monotonic()
     argv = [*flags(models, directory), f"--redis-url={redis_url}"]
-    context = mp.start_processes(one_rank, args=(argv,), nprocs=1, join=False, start_method="spawn")
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() - start > TIMEOUT_S:
-                raise TimeoutError(f"the 1-rank service did not finish in {TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
+    run_spawned(one_rank, (argv,), 1, TIMEOUT_S, "the 1-rank service")
 
 
 # ---------------------------------------------------------------------------- the 2-rank run

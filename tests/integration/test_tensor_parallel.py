@@ -22,13 +22,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawned import run_spawned
 from torch.distributed.device_mesh import init_device_mesh
 
 from specd.batch import ForwardBatch
@@ -150,17 +149,7 @@ def worker(rank: int, port: int, root: Path) -> None:
 
 
 def run_ranks(root: Path) -> float:
-    start = time.monotonic()
-    context = mp.start_processes(worker, args=(free_port(), root), nprocs=WORLD_SIZE, join=False, start_method="spawn")
-    try:
-        while not context.join(timeout=max(1.0, TIMEOUT_S - (time.monotonic() - start))):
-            if time.monotonic() - start > TIMEOUT_S:
-                raise TimeoutError(f"{WORLD_SIZE} tensor-parallel ranks did not finish in {TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    return time.monotonic() - start
+    return run_spawned(worker, (free_port(), root), WORLD_SIZE, TIMEOUT_S, f"{WORLD_SIZE} tensor-parallel ranks")
 
 
 # ---------------------------------------------------------------------------- the properties
