@@ -61,16 +61,22 @@ def measure_drafter_service(drafter_dir: str, model: torch.nn.Module, settings: 
 
 def measure_verifier_serving(target_dir: str, pool: list[list[int]], *, levels: tuple[int, ...] = VERIFIER_LEVELS,
                              max_tokens: int = 64, max_num_seqs: int = 64, pin: bool = True,
-                             progress: tqdm | None = None) -> dict:
-    """Per concurrency level: rows, pass and outside-the-pass seconds of a plain verifier serving
-    HTTP streams of the prompts in ``pool`` (module docstring)."""
-    config = StackConfig(target=target_dir, drafter="", drafters=0, verifiers=1, trainer=False, pin=pin,
-                         max_num_seqs=max_num_seqs, **_ports())
+                             progress: tqdm | None = None, drafter_dir: str = "", mode: str = "async") -> dict:
+    """Per concurrency level: rows, pass and outside-the-pass seconds of a verifier serving HTTP
+    streams of the prompts in ``pool`` (module docstring): plain, or with ``drafter_dir``
+    speculating (``mode``) with one drafter replica — then the time outside the pass leaves out
+    its blocking drafter calls too (the simulator times those from the drafter tables)."""
+    config = StackConfig(target=target_dir, drafter=drafter_dir, drafters=1 if drafter_dir else 0, verifiers=1,
+                         trainer=False, pin=pin, max_num_seqs=max_num_seqs, mode=mode, **_ports())
     out: dict[str, list] = {"concurrency": [], "requests": [], "rows": [], "passes": [], "target_seconds": [],
                             "overhead_seconds": [], "tokens_per_s": [], "trace": []}
+    if drafter_dir:
+        out["tokens_per_row"] = []  # 1 + the mean verified block: the pass's shape
     with Stack(config) as stack, _clients_off_verifier_cores(stack):
         base = stack.verifiers[0].http
         send = _sender("http", stack, Path(target_dir).name)
+        if drafter_dir:
+            stack.wait_drafting()
         run_level(send, pool, 1, 2, 8)  # warm up: first passes allocate
         for concurrency in levels:
             if progress is not None:
@@ -85,13 +91,19 @@ def measure_verifier_serving(target_dir: str, pool: list[list[int]], *, levels: 
             passes = delta["specd:num_target_passes_total"]
             target = delta["specd:engine_seconds_total{part=target}"]
             step = delta["specd:engine_seconds_total{part=step}"]
+            blocking = delta.get("specd:engine_seconds_total{part=drafter_blocking}", 0.0)
             out["concurrency"].append(concurrency)
             out["requests"].append(len(results))
             out["passes"].append(int(passes))
-            # Plain decoding commits one token per running row per pass.
-            out["rows"].append(delta["specd:spec_decode_num_emitted_tokens_total"] / passes)
+            # Every running row counts one draft per pass (an empty one decoding plain); plain
+            # decoding commits one token per running row per pass.
+            counted = delta.get("specd:spec_decode_num_drafts_total", 0.0) if drafter_dir else 0.0
+            out["rows"].append((counted or delta["specd:spec_decode_num_emitted_tokens_total"]) / passes)
             out["target_seconds"].append(target / passes)
-            out["overhead_seconds"].append((step - target) / passes)
+            out["overhead_seconds"].append((step - target - blocking) / passes)
+            if drafter_dir:
+                drafted = delta.get("specd:spec_decode_num_draft_tokens_total", 0.0)
+                out["tokens_per_row"].append(1.0 + drafted / counted if counted else 1.0)
             out["tokens_per_s"].append(sum(r.completion_tokens for r in results) / seconds)
             out["trace"].append([[r.prompt_tokens, r.completion_tokens] for r in results])
             if progress is not None:

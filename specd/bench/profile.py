@@ -382,16 +382,20 @@ def measure_services(profile: dict, settings: ProfileSettings, target_dir: str, 
     and ``speculate_pass``), and ``serving.verifier`` gets a plain verifier's step overhead and
     in-service pass cost by rows. The pass's in-service cost is a ratio: the measured mean pass
     over the simulator's mean pass for the same level (the same requests replayed in the same
-    order by the same closed loop)."""
+    order by the same closed loop). ``serving.speculative`` is the same verifier speculating
+    (async, one drafter replica): its step time outside the pass and its blocking drafter calls,
+    and its pass over the table's at the measured shape (rows x (1 + the mean verified block))."""
     from services import calibrate  # the services need gRPC & co.; the in-process part does not
     from specd.plan.sim import Lengths, SimConfig, TraceRequest, Workload, simulate
 
     points = len(settings.batches) * (len(settings.tails) + len(settings.budgets) * (1 + len(settings.extra_blocks)))
-    with tqdm(total=points + len(levels), desc="bench profile: services", unit="point") as progress:
+    with tqdm(total=points + 2 * len(levels), desc="bench profile: services", unit="point") as progress:
         draft_table, speculate_table, _ = calibrate.measure_drafter_service(drafter_dir, drafter_model, settings,
                                                                            progress=progress)
         verifier = calibrate.measure_verifier_serving(target_dir, prompts, levels=levels,
                                                       max_tokens=settings.max_tokens, progress=progress)
+        speculating = calibrate.measure_verifier_serving(target_dir, prompts, levels=levels, max_tokens=settings.max_tokens,
+                                                         progress=progress, drafter_dir=drafter_dir, mode="async")
     profile["drafter_pass"] = {k: profile["drafter"][k] for k in ("batch", "tokens", "seconds")}
     profile["speculate_pass"] = {k: profile["speculate"][k] for k in ("batch", "tokens", "seconds")}
     profile["drafter"]["seconds"] = draft_table.seconds
@@ -407,11 +411,20 @@ def measure_services(profile: dict, settings: ProfileSettings, target_dir: str, 
                                       prompt_tokens=prompt_lengths, output_tokens=outputs))
         scale.append(round(measured / simulated.target_seconds_per_pass, 4))
     verifier["target_scale"] = scale
-    order = sorted(range(len(verifier["rows"])), key=verifier["rows"].__getitem__)
-    profile["serving"] = {"drafter_round_trips": True,
-                          "verifier": {k: [v[i] for i in order] for k, v in verifier.items()}}
+    # A speculating pass's in-service cost over the table's at its measured shape (rows x (1 + the
+    # mean verified block)): the pass alone, whatever block the simulator's cost model then picks.
+    speculating["target_scale"] = [round(measured / bare.target(rows, tokens), 4) for measured, rows, tokens in
+                                   zip(speculating["target_seconds"], speculating["rows"], speculating["tokens_per_row"])]
+
+    def by_rows(columns: dict) -> dict:
+        order = sorted(range(len(columns["rows"])), key=columns["rows"].__getitem__)
+        keep = [i for n, i in enumerate(order) if n == 0 or columns["rows"][i] > columns["rows"][order[n - 1]]]
+        return {k: [v[i] for i in keep] for k, v in columns.items()}
+
+    profile["serving"] = {"drafter_round_trips": True, "verifier": by_rows(verifier), "speculative": by_rows(speculating)}
     profile["notes"] += ("; drafter tables: round trips through a drafter replica from another process (loopback "
-                         "gRPC included); serving.verifier: a plain verifier service under closed-loop HTTP load")
+                         "gRPC included); serving.verifier: a plain verifier service under closed-loop HTTP load; "
+                         "serving.speculative: the same verifier speculating (async) with one drafter replica")
 
 
 def _line(batches: list[int], seconds: list[float]) -> tuple[float, float]:

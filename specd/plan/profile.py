@@ -35,9 +35,12 @@ Schema (``version`` 1; fields marked * are required):
       "serving": {"drafter_round_trips": true,   the drafter tables hold whole round trips through
                                            a replica (rpc_seconds: only what a network adds)
                   "verifier": {"rows"*: [1.0, 3.9, ...], "overhead_seconds"*: [...],
-                               "target_scale"*: [...], ...}},   optional: a verifier service's
+                               "target_scale"*: [...], ...},   optional: a verifier service's
                                            step time outside its pass, and its pass over the
                                            target table's, by mean rows (`services.calibrate`)
+                  "speculative": {same columns}},   optional: the same for a verifier
+                                           speculating with a drafter replica (step time outside
+                                           its pass and its blocking drafter calls)
       "workload": {"prompt_tokens": [...], "output_tokens": [...], "max_tokens": 64}   optional
       "tensor_parallel": {"2": {"pass_scale": 0.56}, ...}   optional: a verifier of N ranks'
                                            target pass over the target table's (which is one
@@ -166,6 +169,8 @@ class Profile:
     plain_seq_overhead_s: float | None = None
     padded_rows: bool = True
     serving: Serving | None = None
+    speculative_serving: Serving | None = None
+    """A speculating verifier service's costs (`serving.speculative`); None: not measured."""
     drafter_round_trips: bool = False
     """The drafter tables are whole round trips through a replica (not bare passes)."""
     prompt_tokens: list[int] = field(default_factory=list)
@@ -210,6 +215,23 @@ def _extended(source: list[float], block: int) -> list[float]:
     while len(values) < block:
         values.append(values[-1] * ratio)
     return values[:block]
+
+
+def _serving(data: Any, where: str, number, required, fail) -> Serving:
+    """One ``serving`` block: rows, overhead_seconds and target_scale of one length, rows increasing."""
+    if not isinstance(data, dict):
+        raise fail(where, "must be an object with rows, overhead_seconds and target_scale")
+    columns = {}
+    for name in ("rows", "overhead_seconds", "target_scale"):
+        values = required(data, name, f"{where}.")
+        if not isinstance(values, list) or not values:
+            raise fail(f"{where}.{name}", f"must be a non-empty list of numbers, got {values!r}")
+        columns[name] = [number(f"{where}.{name}", v, 0.0) for v in values]
+    if len({len(v) for v in columns.values()}) != 1:
+        raise fail(where, "needs rows, overhead_seconds and target_scale of one length")
+    if any(b <= a for a, b in itertools.pairwise(columns["rows"])):
+        raise fail(f"{where}.rows", f"must be strictly increasing, got {columns['rows']!r}")
+    return Serving(**columns)
 
 
 def _samples(data: Any, block_size: int, fail) -> dict:
@@ -319,27 +341,16 @@ def parse_profile(data: Any, *, source: str = "profile") -> Profile:
     group_sizes = data["drafter"].get("group_sizes", [])
     if not isinstance(group_sizes, list) or not all(isinstance(g, int) and g >= 2 for g in group_sizes):
         raise fail("drafter.group_sizes", f"must be a list of integers >= 2, got {group_sizes!r}")
-    serving, round_trips = None, False
+    serving, speculative, round_trips = None, None, False
     if "serving" in data:
         block = data["serving"]
         if not isinstance(block, dict):
             raise fail("serving", "must be an object")
         round_trips = bool(block.get("drafter_round_trips", False))
         if "verifier" in block:
-            verifier = block["verifier"]
-            if not isinstance(verifier, dict):
-                raise fail("serving.verifier", "must be an object with rows, overhead_seconds and target_scale")
-            columns = {}
-            for name in ("rows", "overhead_seconds", "target_scale"):
-                values = required(verifier, name, "serving.verifier.")
-                if not isinstance(values, list) or not values:
-                    raise fail(f"serving.verifier.{name}", f"must be a non-empty list of numbers, got {values!r}")
-                columns[name] = [number(f"serving.verifier.{name}", v, 0.0) for v in values]
-            if len({len(v) for v in columns.values()}) != 1:
-                raise fail("serving.verifier", "needs rows, overhead_seconds and target_scale of one length")
-            if any(b <= a for a, b in itertools.pairwise(columns["rows"])):
-                raise fail("serving.verifier.rows", f"must be strictly increasing, got {columns['rows']!r}")
-            serving = Serving(**columns)
+            serving = _serving(block["verifier"], "serving.verifier", number, required, fail)
+        if "speculative" in block:
+            speculative = _serving(block["speculative"], "serving.speculative", number, required, fail)
     tensor_parallel = {}
     for key, entry in (data.get("tensor_parallel") or {}).items():
         if not str(key).isdigit() or int(key) < 2 or not isinstance(entry, dict):
@@ -362,7 +373,8 @@ def parse_profile(data: Any, *, source: str = "profile") -> Profile:
                                if "plain_step_seconds" in overhead else None),
         plain_seq_overhead_s=(number("overhead.plain_seq_seconds", overhead["plain_seq_seconds"], 0.0, 10.0)
                               if "plain_seq_seconds" in overhead else None),
-        padded_rows=bool(data.get("padded_rows", True)), serving=serving, drafter_round_trips=round_trips,
+        padded_rows=bool(data.get("padded_rows", True)), serving=serving, speculative_serving=speculative,
+        drafter_round_trips=round_trips,
         prompt_tokens=lengths["prompt_tokens"], output_tokens=lengths["output_tokens"],
         tensor_parallel=tensor_parallel, notes=notes if isinstance(notes, str) else json.dumps(notes), raw=data,
     )

@@ -14,8 +14,10 @@ It models what the services do, step by step, with costs from a profile (`specd.
   per pass), the pass costs the table times the service's measured in-service ratio and the
   step adds the service's measured overhead (admission, sampling, streaming deltas to clients)
   plus, when speculating, what speculation adds to the engine's step in process (verification,
-  candidate bookkeeping: its speculating overhead line minus its plain one); otherwise the
-  engine's in-process line ``step_seconds + seq_seconds * rows``.
+  candidate bookkeeping: its speculating overhead line minus its plain one) — or, where the
+  profile measured a speculating verifier service too (``serving.speculative``), that service's
+  pass ratio and overhead; otherwise the engine's in-process line
+  ``step_seconds + seq_seconds * rows``.
 - **Blocks.** ``L`` is the configured block, or with ``adaptive_block`` (the verifier's default)
   what the engine's own `specd.cost_model.CostModel` picks, one per verifier, fed as the engine
   feeds it: each pass's simulated seconds against ``1 + L`` tokens per row (prefill padding
@@ -325,6 +327,9 @@ class Simulation:
         self.acceptance = np.asarray(profile.acceptance(block) if block else [], dtype=np.float64)
         self.hit_rate = config.hit_rate if config.hit_rate is not None else profile.hit_rate_for(block)
         self.group = profile.group_size(block) if block else 0
+        # The verifier service's measured costs: a speculating one's where measured and speculating.
+        self.serving = (profile.speculative_serving if self.speculative and profile.speculative_serving is not None
+                        else profile.serving)
         self.verifiers = [_Verifier(i, config.drafters, config.explore_every) for i in range(config.verifiers)]
         # What the engine's cost model is shown: the drafter's own confidence, where measured.
         self.confidence = profile.confidence(block) if block else []
@@ -412,8 +417,8 @@ class Simulation:
             length = self._verify_length(v, rows) if self.speculative else 0
             tokens = _row_tokens([(s.request.prompt if s.new else 1) + length for s in running], self.padded)
             cost = self.profile.target(rows, tokens)
-            if self.profile.serving is not None:
-                cost *= self.profile.serving.scale(rows)
+            if self.serving is not None:
+                cost *= self.serving.scale(rows)
             if self.speculative:
                 v.cost.observe_pass(rows, length + 1, cost)
             self.target_seconds += cost
@@ -434,9 +439,11 @@ class Simulation:
         that by rows, plus — when speculating — what speculation adds to the engine's step in
         process (its speculating line minus its plain one); else the engine's in-process line."""
         p = self.profile
-        if p.serving is None:
+        if self.serving is None:
             return p.step_overhead_s + p.seq_overhead_s * rows
-        overhead = p.serving.overhead(rows)
+        overhead = self.serving.overhead(rows)
+        if self.serving is p.speculative_serving:
+            return overhead  # measured speculating: nothing to add
         if self.speculative and p.plain_step_overhead_s is not None:
             extra = (p.step_overhead_s - p.plain_step_overhead_s) + (p.seq_overhead_s - (p.plain_seq_overhead_s or 0.0)) * rows
             overhead += max(extra, 0.0)

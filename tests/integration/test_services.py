@@ -210,8 +210,8 @@ def test_sigterm_drains_in_flight_requests(models):
 
 def test_bench_profile_times_the_drafter_through_a_replica_and_the_verifier_in_service(models):
     """`specd bench profile`'s service part: the drafter tables become round trips through a real
-    replica (the bare passes kept beside them), and a plain verifier under closed-loop HTTP load
-    reports its rows, pass and overhead per level — a profile the simulator loads."""
+    replica (the bare passes kept beside them), and a verifier under closed-loop HTTP load, plain
+    and speculating, reports its rows, pass and overhead per level — a profile the simulator loads."""
     from specd.bench.profile import ProfileSettings, measure_profile, measure_services
     from specd.models.loading import load_model
     from specd.plan.profile import parse_profile
@@ -238,3 +238,10 @@ def test_bench_profile_times_the_drafter_through_a_replica_and_the_verifier_in_s
     assert verifier["rows"][0] == pytest.approx(1.0) and 1.0 < verifier["rows"][1] <= 4.0
     assert all(s > 0 for s in verifier["target_scale"]) and all(s >= 0 for s in verifier["overhead_seconds"])
     assert profile.serving.overhead(1) == pytest.approx(verifier["overhead_seconds"][0])
+    # The same verifier speculating with one drafter replica: rows counted by drafts, the pass's
+    # shape (1 + the mean verified block), its ratio to the table at that shape.
+    speculative = data["serving"]["speculative"]
+    assert speculative["concurrency"] == [1, 4] and speculative["rows"][0] == pytest.approx(1.0)
+    assert all(1.0 <= t <= 1 + settings.block_size for t in speculative["tokens_per_row"])
+    assert all(s > 0 for s in speculative["target_scale"]) and all(s >= 0 for s in speculative["overhead_seconds"])
+    assert profile.speculative_serving.overhead(1) == pytest.approx(speculative["overhead_seconds"][0])

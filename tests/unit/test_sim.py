@@ -250,3 +250,19 @@ def test_block_samples_let_the_cost_model_verify_long_only_where_the_drafter_is_
     # Good blocks: 9 tokens for a 9-token pass (11 ms); bad ones: 1 token for a 1-token pass (3 ms).
     assert joint.tokens_per_s == pytest.approx((9 + 1) / (0.011 + 0.003), rel=0.06)
     assert joint.tokens_per_s > 1.2 * mean.tokens_per_s
+
+
+def test_a_measured_speculating_service_prices_speculative_steps_and_plain_keeps_its_own():
+    """With ``serving.speculative`` the speculating verifier's pass is the table times its ratio and
+    its step adds its own measured overhead (nothing from the in-process lines); plain decoding
+    keeps ``serving.verifier``."""
+    serving = {"verifier": {"rows": [1, 16], "overhead_seconds": [0.001, 0.001], "target_scale": [1.0, 1.0]},
+               "speculative": {"rows": [1, 16], "overhead_seconds": [0.003, 0.003], "target_scale": [2.0, 2.0]}}
+    prof = profile(target=lambda b, t: 0.010, serving=serving, overhead={"step_seconds": 0.5, "seq_seconds": 0.5})
+    workload = closed(1, 4, output=4096, prompt=1)
+    fast = simulate(prof, SimConfig(mode="async", adaptive_block=False), workload)
+    plain = simulate(prof, SimConfig(mode="plain"), workload)
+    assert fast.target_seconds_per_pass == pytest.approx(0.020, rel=0.01)
+    assert fast.overhead_seconds_per_step == pytest.approx(0.003, rel=0.01)
+    assert plain.target_seconds_per_pass == pytest.approx(0.010, rel=0.01)
+    assert plain.overhead_seconds_per_step == pytest.approx(0.001, rel=0.01)
