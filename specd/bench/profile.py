@@ -384,9 +384,9 @@ def measure_services(profile: dict, settings: ProfileSettings, target_dir: str, 
     over the simulator's mean pass for the same level (the same requests replayed in the same
     order by the same closed loop). ``serving.speculative`` is the same verifier speculating
     (async, one drafter replica): its step time outside the pass and its blocking drafter calls,
-    and its pass over the table's at the measured shape (rows x (1 + the mean verified block))."""
+    and its pass over the simulated pass with the block fixed at the measured mean (`pass_scales`)."""
     from services import calibrate  # the services need gRPC & co.; the in-process part does not
-    from specd.plan.sim import Lengths, SimConfig, TraceRequest, Workload, simulate
+    from specd.plan.sim import Lengths
 
     points = len(settings.batches) * (len(settings.tails) + len(settings.budgets) * (1 + len(settings.extra_blocks)))
     with tqdm(total=points + 2 * len(levels), desc="bench profile: services", unit="point") as progress:
@@ -403,18 +403,8 @@ def measure_services(profile: dict, settings: ProfileSettings, target_dir: str, 
     bare = parse_profile(profile, source="the measured profile")
     prompt_lengths = Lengths.parse(profile["workload"]["prompt_tokens"])
     outputs = Lengths.parse([min(n, settings.max_tokens) for n in profile["workload"]["output_tokens"]])
-    scale = []
-    for concurrency, trace, measured in zip(verifier["concurrency"], verifier["trace"], verifier["target_seconds"]):
-        requests = [TraceRequest(arrival_s=None, prompt_tokens=p, output_tokens=max(o, 1)) for p, o in trace]
-        simulated = simulate(bare, SimConfig(mode="plain", drafters=0, block_size=0, max_num_seqs=64),
-                             Workload(requests=len(requests), concurrency=concurrency, trace=requests,
-                                      prompt_tokens=prompt_lengths, output_tokens=outputs))
-        scale.append(round(measured / simulated.target_seconds_per_pass, 4))
-    verifier["target_scale"] = scale
-    # A speculating pass's in-service cost over the table's at its measured shape (rows x (1 + the
-    # mean verified block)): the pass alone, whatever block the simulator's cost model then picks.
-    speculating["target_scale"] = [round(measured / bare.target(rows, tokens), 4) for measured, rows, tokens in
-                                   zip(speculating["target_seconds"], speculating["rows"], speculating["tokens_per_row"])]
+    verifier["target_scale"] = pass_scales(bare, verifier, prompt_lengths, outputs)
+    speculating["target_scale"] = pass_scales(bare, speculating, prompt_lengths, outputs)
 
     def by_rows(columns: dict) -> dict:
         order = sorted(range(len(columns["rows"])), key=columns["rows"].__getitem__)
@@ -425,6 +415,27 @@ def measure_services(profile: dict, settings: ProfileSettings, target_dir: str, 
     profile["notes"] += ("; drafter tables: round trips through a drafter replica from another process (loopback "
                          "gRPC included); serving.verifier: a plain verifier service under closed-loop HTTP load; "
                          "serving.speculative: the same verifier speculating (async) with one drafter replica")
+
+
+def pass_scales(bare, columns: dict, prompt_lengths, outputs) -> list[float]:
+    """Per level of a `services.calibrate.measure_verifier_serving` run: its mean in-service pass
+    over the simulator's mean pass for the same requests, replayed in the same order by the same
+    closed loop (prefills included) — plain, or speculating with the block fixed at the measured
+    mean verified length (``tokens_per_row``), so the ratio is the pass's, not the block choice's."""
+    from specd.plan.sim import SimConfig, TraceRequest, Workload, simulate
+
+    scales = []
+    for i, (concurrency, trace) in enumerate(zip(columns["concurrency"], columns["trace"])):
+        requests = [TraceRequest(arrival_s=None, prompt_tokens=p, output_tokens=max(o, 1)) for p, o in trace]
+        if "tokens_per_row" in columns:
+            block = max(1, round(columns["tokens_per_row"][i] - 1))
+            config = SimConfig(mode="async", drafters=1, block_size=block, adaptive_block=False, max_num_seqs=64)
+        else:
+            config = SimConfig(mode="plain", drafters=0, block_size=0, max_num_seqs=64)
+        simulated = simulate(bare, config, Workload(requests=len(requests), concurrency=concurrency, trace=requests,
+                                                    prompt_tokens=prompt_lengths, output_tokens=outputs))
+        scales.append(round(columns["target_seconds"][i] / simulated.target_seconds_per_pass, 4))
+    return scales
 
 
 def _line(batches: list[int], seconds: list[float]) -> tuple[float, float]:
