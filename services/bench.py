@@ -8,6 +8,12 @@ prompts one after another. It reports output tokens/s, TTFT and TPOT p50/p99 per
 and every deployment's tokens/s as a ratio to plain decoding at the same concurrency, measured in
 the same run (the machine is shared and noisy: only ratios travel).
 
+``--repeats N`` runs every deployment N times, round robin (each round starts every deployment
+afresh, so a slow minute on a shared machine lands on one round of each deployment, not on all
+rounds of one). A row is then the round whose tokens/s is the median — its τ, pass times and
+trace with it — plus every round's tokens/s (``runs``) and their spread; its ratio to plain is
+the median over rounds of the ratio within the round.
+
 A table, JSON and PNG plots. ``--quick`` runs fewer levels and requests (minutes).
 """
 
@@ -16,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -67,6 +74,8 @@ class ServeSettings:
     client: str = "http"
     """"http": streaming OpenAI completions; "grpc": the verifier's Generate stream."""
     deployments: tuple[str, ...] = tuple(d.name for d in DEPLOYMENTS)
+    repeats: int = 1
+    """Rounds over every deployment (module docstring); each row reports the median round."""
 
     def requests(self, concurrency: int) -> int:
         return self.requests_per_level or max(4 * concurrency, 16)
@@ -104,7 +113,10 @@ class ServeRow:
     """Distinct CPU cores the drafters were pinned to (0: not pinned): 2:1 on a 2-core machine is
     two drafter processes on one core."""
     speedup: float = 1.0
-    """tokens/s over plain decoding's at the same concurrency, this run."""
+    """tokens/s over plain decoding's at the same concurrency, this run (with repeats: the median
+    over rounds of the ratio within a round)."""
+    runs: list[float] = field(default_factory=list)
+    """tokens/s of every round, in order (one entry without ``--repeats``)."""
     drafter_free: float = 0.0
     """The speedup this row would have if drafting cost the verifier nothing: τ tokens per
     sequence per step of (its target pass + its step overhead), against plain decoding's step
@@ -164,40 +176,75 @@ def run_level(send: Callable[[list[int], int], Completion], pool: list[list[int]
 
 def bench_serve(settings: ServeSettings, target: str, drafter: str) -> list[ServeRow]:
     pool = prompts()
-    model = Path(target).name
-    rows: list[ServeRow] = []
     chosen = [d for d in DEPLOYMENTS if d.name in settings.deployments]
-    progress = tqdm(total=len(chosen) * len(settings.concurrency), desc="bench serve", unit="level")
-    for deployment in chosen:
-        config = StackConfig(target=target, drafter=drafter if deployment.speculative else "",
-                             drafters=deployment.drafters, verifiers=1, trainer=False, mode=deployment.mode,
-                             block_size=settings.block_size, max_num_seqs=settings.max_num_seqs, pin=settings.pin,
-                             verifier_http_port=18000, verifier_grpc_port=51051, drafter_port=51052)
-        with Stack(config) as stack, _clients_off_verifier_cores(stack):
-            base = stack.verifiers[0].http
-            send = _sender(settings.client, stack, model)
-            stack.wait_drafting()
-            run_level(send, pool, 1, 2, 8)  # warm up: first passes allocate and fill caches
-            for concurrency in settings.concurrency:
-                progress.set_postfix_str(f"{deployment.name} c={concurrency}")
-                before = metrics(base)
-                results, seconds, errors = run_level(send, pool, concurrency,
-                                                     settings.requests(concurrency), settings.max_tokens)
-                after = metrics(base)
-                row = _row(deployment, concurrency, results, seconds, errors, before, after)
-                row.drafter_cores = len({d.core for d in stack.drafters if d.core is not None})
-                rows.append(row)
-                progress.update()
+    if settings.repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {settings.repeats}")
+    progress = tqdm(total=settings.repeats * len(chosen) * len(settings.concurrency), desc="bench serve", unit="level")
+    rounds: list[list[ServeRow]] = []
+    for round_ in range(settings.repeats):
+        rows = []
+        for deployment in chosen:
+            label = f"round {round_ + 1}/{settings.repeats} " if settings.repeats > 1 else ""
+            rows += _serve_deployment(settings, deployment, target, drafter, pool, progress, label)
+        _ratios_to_plain(rows)
+        rounds.append(rows)
     progress.close()
+    return _median_rounds(rounds)
+
+
+def _serve_deployment(settings: ServeSettings, deployment: Deployment, target: str, drafter: str,
+                      pool: list[list[int]], progress: tqdm, label: str) -> list[ServeRow]:
+    """Start one deployment's processes and drive every concurrency level through it."""
+    config = StackConfig(target=target, drafter=drafter if deployment.speculative else "",
+                         drafters=deployment.drafters, verifiers=1, trainer=False, mode=deployment.mode,
+                         block_size=settings.block_size, max_num_seqs=settings.max_num_seqs, pin=settings.pin,
+                         verifier_http_port=18000, verifier_grpc_port=51051, drafter_port=51052)
+    rows = []
+    with Stack(config) as stack, _clients_off_verifier_cores(stack):
+        base = stack.verifiers[0].http
+        send = _sender(settings.client, stack, Path(target).name)
+        stack.wait_drafting()
+        run_level(send, pool, 1, 2, 8)  # warm up: first passes allocate and fill caches
+        for concurrency in settings.concurrency:
+            progress.set_postfix_str(f"{label}{deployment.name} c={concurrency}")
+            before = metrics(base)
+            results, seconds, errors = run_level(send, pool, concurrency,
+                                                 settings.requests(concurrency), settings.max_tokens)
+            after = metrics(base)
+            row = _row(deployment, concurrency, results, seconds, errors, before, after)
+            row.drafter_cores = len({d.core for d in stack.drafters if d.core is not None})
+            rows.append(row)
+            progress.update()
+    return rows
+
+
+def _ratios_to_plain(rows: list[ServeRow]) -> None:
+    """Each row's speedup and drafter-free speedup against plain decoding in the same round."""
     plain = {r.concurrency: r for r in rows if r.deployment == "plain"}
     for row in rows:
+        row.runs = [row.tokens_per_s]
         base = plain.get(row.concurrency)
         if base is not None and base.tokens_per_s:
             row.speedup = row.tokens_per_s / base.tokens_per_s
             step = row.target_ms + row.step_overhead_ms
             if step > 0 and base.target_ms:
                 row.drafter_free = row.tau * (base.target_ms + base.step_overhead_ms) / step
-    return rows
+
+
+def _median_rounds(rounds: list[list[ServeRow]]) -> list[ServeRow]:
+    """Per (deployment, concurrency): the round with the median tokens/s (the lower middle one of
+    an even count), with every round's tokens/s and the median of the per-round ratios."""
+    out = []
+    for i, first in enumerate(rounds[0]):
+        same = [rows[i] for rows in rounds]
+        assert all((r.deployment, r.concurrency) == (first.deployment, first.concurrency) for r in same)
+        ordered = sorted(same, key=lambda r: r.tokens_per_s)
+        row = ordered[(len(ordered) - 1) // 2]
+        row.runs = [r.tokens_per_s for r in same]
+        row.speedup = statistics.median(r.speedup for r in same)
+        row.drafter_free = statistics.median(r.drafter_free for r in same)
+        out.append(row)
+    return out
 
 
 @contextlib.contextmanager
@@ -264,17 +311,25 @@ def _row(deployment: Deployment, concurrency: int, results: list, seconds: float
 
 
 def format_table(rows: list[ServeRow]) -> str:
-    head = (f"{'deployment':<11}{'conc':>5}{'reqs':>5}{'tok/s':>8}{'vs plain':>9}{'no-draft':>9}{'tau':>6}{'hit':>6}"
+    spread = any(len(r.runs) > 1 for r in rows)
+    head = (f"{'deployment':<11}{'conc':>5}{'reqs':>5}{'tok/s':>8}" + (f"{'spread':>8}" if spread else "")
+            + f"{'vs plain':>9}{'no-draft':>9}{'tau':>6}{'hit':>6}"
             f"{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}{'errors':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r.deployment:<11}{r.concurrency:>5}{r.requests:>5}{r.tokens_per_s:>8.1f}{r.speedup:>8.2f}x"
+            f"{r.deployment:<11}{r.concurrency:>5}{r.requests:>5}{r.tokens_per_s:>8.1f}"
+            + (f"{_spread(r):>7.0%} " if spread else "") + f"{r.speedup:>8.2f}x"
             f"{r.drafter_free:>8.2f}x"
             f"{r.tau:>6.2f}{r.hit_rate:>6.0%}{r.ttft_p50 * 1e3:>8.0f}ms{r.ttft_p99 * 1e3:>6.0f}ms"
             f"{r.tpot_p50 * 1e3:>8.1f}ms{r.tpot_p99 * 1e3:>6.1f}ms{len(r.errors):>7}"
         )
     return "\n".join(lines)
+
+
+def _spread(row: ServeRow) -> float:
+    """(max - min) / median of the rounds' tokens/s: how much the machine moved under this row."""
+    return (max(row.runs) - min(row.runs)) / row.tokens_per_s if row.runs and row.tokens_per_s else 0.0
 
 
 def plot(rows: list[ServeRow], out_dir: Path) -> list[Path]:
@@ -309,6 +364,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-pin", action="store_true", help="do not pin services to cores")
     parser.add_argument("--client", choices=["http", "grpc"], default="http",
                         help="drive the verifier's OpenAI HTTP API (default) or its gRPC Generate stream")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds over every deployment, round robin; rows report the median round")
     parser.add_argument("--out", default="out/bench", help="directory for plots and JSON")
     parser.add_argument("--json", default=None, help="JSON path (default OUT/serve.json)")
 
@@ -316,7 +373,9 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from services.up import _zoo_model
 
-    settings = ServeSettings(pin=not args.no_pin, max_tokens=args.max_tokens, client=args.client)
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    settings = ServeSettings(pin=not args.no_pin, max_tokens=args.max_tokens, client=args.client, repeats=args.repeats)
     if args.quick:
         settings.concurrency, settings.requests_per_level = (1, 4, 16), 16
     if args.concurrency:

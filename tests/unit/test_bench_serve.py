@@ -1,0 +1,42 @@
+"""`specd bench serve --repeats`: how rounds over a noisy machine become one row."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.bench import ServeRow, _median_rounds, _ratios_to_plain, format_table
+
+
+def _row(deployment: str, concurrency: int, tokens_per_s: float, tau: float = 1.0) -> ServeRow:
+    return ServeRow(deployment=deployment, concurrency=concurrency, requests=16, output_tokens=1024,
+                    seconds=1024 / tokens_per_s, tokens_per_s=tokens_per_s, ttft_p50=0.01, ttft_p99=0.02,
+                    tpot_p50=0.003, tpot_p99=0.004, tau=tau, target_ms=3.0, step_overhead_ms=1.0)
+
+
+def _round(plain: float, spec: float, tau: float) -> list[ServeRow]:
+    rows = [_row("plain", 1, plain), _row("async 1:1", 1, spec, tau)]
+    _ratios_to_plain(rows)
+    return rows
+
+
+def test_a_row_is_the_median_round_with_the_median_of_ratios_within_rounds():
+    # Round 2 ran on a slow minute: both deployments lost half their speed, the ratio held.
+    rounds = [_round(300.0, 150.0, 2.0), _round(150.0, 90.0, 2.5), _round(310.0, 140.0, 2.2)]
+    plain, spec = _median_rounds(rounds)
+    assert plain.tokens_per_s == 300.0 and plain.runs == [300.0, 150.0, 310.0]
+    assert spec.tokens_per_s == 140.0 and spec.tau == 2.2  # the median round's row, whole
+    assert spec.runs == [150.0, 90.0, 140.0]
+    # Per-round ratios 0.5, 0.6, 0.4516: their median, not 140 / 300.
+    assert spec.speedup == pytest.approx(0.5)
+    assert "spread" in format_table([plain, spec])
+
+
+def test_an_even_count_of_rounds_takes_the_lower_middle_one():
+    rows = _median_rounds([_round(200.0, 100.0, 2.0), _round(100.0, 80.0, 2.0)])
+    assert [r.tokens_per_s for r in rows] == [100.0, 80.0]
+
+
+def test_one_round_has_no_spread_column():
+    rows = _median_rounds([_round(200.0, 100.0, 2.0)])
+    assert rows[1].speedup == pytest.approx(0.5) and rows[1].runs == [100.0]
+    assert "spread" not in format_table(rows)
