@@ -3,7 +3,8 @@
 For a budget of ``gpus`` less the trainer's ``trainer_gpus`` (a verifier replica takes
 ``tensor_parallel`` GPUs, a drafter replica ``gpus_per_drafter``), the planner simulates
 (`specd.plan.sim`) every drafter:verifier split
-the budget allows — all of them up to 16 verifier replicas, else a list of ratios, or the
+the budget allows — all of them up to 16 verifier replicas, else a list of ratios up to 3:1,
+extended (4:1, 6:1, ...) while the best split is the one with the most drafters, or the
 ``--ratios`` given — at every block length, plus plain decoding on the whole budget, under
 the same load. It prints the table and picks the highest tokens/s, optionally among the splits
 whose TPOT p99 meets ``--tpot-slo-ms`` (under open-loop arrivals, where every split that keeps
@@ -49,6 +50,8 @@ DEFAULT_TP_ALLREDUCE_S = 36 * 2 * 10e-6
 """Assumed all-reduce time per tensor-parallel pass: 36 layers x 2 all-reduces x 10 us (NVLink)."""
 DEFAULT_RATIOS = ("1:8", "1:6", "1:4", "1:3", "1:2", "2:3", "1:1", "3:2", "2:1", "3:1")
 """Drafters:verifiers tried when the budget holds more than `ENUMERATE_UP_TO` verifiers."""
+FURTHER_RATIOS = ("4:1", "6:1", "8:1", "12:1", "16:1")
+"""Tried in turn, past the defaults, while the best split is the one with the most drafters."""
 ENUMERATE_UP_TO = 16
 
 
@@ -256,11 +259,18 @@ def plan(profile: Profile, settings: PlanSettings, *, levels: tuple[float, ...] 
     if settings.plain:
         jobs.insert(0, (plain_split, 0, "plain"))
     workload = settings.workload(profile)
-    rows = []
-    for split, block, mode in tqdm(jobs, desc="specd plan", unit="sim", disable=not progress):
-        result = simulate(profile, _config(settings, split, block, mode), workload)
-        meets = not settings.tpot_slo or result.tpot_p99 <= settings.tpot_slo
-        rows.append(PlanRow(split=split, block_size=block, mode=mode, result=result, meets_slo=meets))
+
+    def simulated(jobs: list[tuple[Split, int, str]], desc: str) -> list[PlanRow]:
+        out = []
+        for split, block, mode in tqdm(jobs, desc=desc, unit="sim", disable=not progress):
+            result = simulate(profile, _config(settings, split, block, mode), workload)
+            meets = not settings.tpot_slo or result.tpot_p99 <= settings.tpot_slo
+            out.append(PlanRow(split=split, block_size=block, mode=mode, result=result, meets_slo=meets))
+        return out
+
+    rows = simulated(jobs, "specd plan")
+    if not settings.ratios and settings.serving_gpus // settings.gpus_per_verifier > ENUMERATE_UP_TO:
+        rows, candidates = _extend_past_the_edge(settings, rows, candidates, simulated, notes)
     eligible = [r for r in rows if r.meets_slo]
     if not eligible:
         fastest = min(rows, key=lambda r: r.result.tpot_p99)
@@ -282,6 +292,38 @@ def plan(profile: Profile, settings: PlanSettings, *, levels: tuple[float, ...] 
             res = simulate(profile, _config(settings, split, block, mode), settings.workload(profile, load))
             result.levels.setdefault(load, []).append(PlanRow(split=split, block_size=block, mode=mode, result=res))
     return result
+
+
+def _extend_past_the_edge(settings: PlanSettings, rows: list[PlanRow], candidates: list[Split], simulated,
+                          notes: list[str]) -> tuple[list[PlanRow], list[Split]]:
+    """While the fastest split is the one with the most drafters (the edge of the ratios tried),
+    try the next of `FURTHER_RATIOS`: at high batch the drafters' work grows with sequences x
+    candidates and the optimum can lie past 3:1. Stops when a step no longer gains, or no split
+    with more drafters fits."""
+    tried = []
+    for text in FURTHER_RATIOS:
+        spec = [r for r in rows if r.mode != "plain" and r.meets_slo]
+        if not spec:
+            break
+        best = max(spec, key=lambda r: r.result.tokens_per_s)
+        if best.split.drafters < max(c.drafters for c in candidates):
+            break
+        ratio = parse_ratio(text)
+        verifiers = int(settings.serving_gpus / (settings.gpus_per_verifier + float(ratio) * settings.gpus_per_drafter))
+        if verifiers < 1:
+            break
+        split = Split(verifiers=verifiers, drafters=(settings.serving_gpus - verifiers * settings.gpus_per_verifier)
+                      // settings.gpus_per_drafter)
+        if split in candidates:
+            continue
+        candidates = [*candidates, split]
+        tried.append(f"{split.drafters}:{split.verifiers}")
+        rows = rows + simulated([(split, block, settings.mode) for block in settings.block_sizes],
+                                f"specd plan: past the edge, {text}")
+    if tried:
+        notes.append(f"the best split had the most drafters of the ratios tried, so the plan went on to "
+                     f"{', '.join(tried)} (drafters:verifiers) until one no longer gained")
+    return rows, candidates
 
 
 # ====================================================================== output

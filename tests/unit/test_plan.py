@@ -377,3 +377,20 @@ def test_under_open_loop_arrivals_the_lowest_tpot_that_keeps_up_wins():
     keeping_up = [r for r in result.rows if r.result.tokens_per_s >= 0.98 * best_rate]
     assert len(keeping_up) > 1  # 20 requests/s is light work for any split here
     assert result.best.result.tpot_p99 == min(r.result.tpot_p99 for r in keeping_up)
+
+
+def test_the_plan_goes_past_the_ratios_tried_while_the_best_sits_at_their_edge():
+    """A drafter replica needs five times a verifier's pass for one verifier's sequences: the
+    optimum is ~5:1, past the default ratios (up to 3:1), and the planner goes on to find it."""
+    profile = parse_profile(synthetic(drafter=table(lambda b, t: 0.050 * b / 16), acceptance_per_pos=[1.0] * 16))
+    result = plan(profile, settings(gpus=60, concurrency=480, requests=960, block_sizes=(16,), output_tokens="64"),
+                  progress=False)
+    best = result.best.split
+    assert best.drafters / best.verifiers > 3, best
+    assert any("until one no longer gained" in note for note in result.notes)
+    tried = sorted({r.split.drafters / r.split.verifiers for r in result.rows if r.mode != "plain"})
+    assert tried[-1] > best.drafters / best.verifiers  # it stopped one step past the optimum
+    # With the ratios given, the planner keeps to them.
+    given = plan(profile, settings(gpus=60, concurrency=480, requests=960, block_sizes=(16,), output_tokens="64",
+                                   ratios=("1:1", "3:1")), progress=False)
+    assert {(r.split.drafters, r.split.verifiers) for r in given.rows if r.mode != "plain"} == {(30, 30), (45, 15)}
