@@ -283,6 +283,10 @@ class ProfileSettings:
     max_tokens: int = 64
     rpc_seconds: float = 0.0005
     threads: int = 1
+    rounds: int = 1
+    """Rounds of the verifier services' calibration (plain, then speculating, each round); per
+    level, the median round's figures (`median_rounds`): a slow minute on a shared machine moves
+    one round, not the profile."""
 
     @staticmethod
     def quick() -> ProfileSettings:
@@ -389,13 +393,17 @@ def measure_services(profile: dict, settings: ProfileSettings, target_dir: str, 
     from specd.plan.sim import Lengths
 
     points = len(settings.batches) * (len(settings.tails) + len(settings.budgets) * (1 + len(settings.extra_blocks)))
-    with tqdm(total=points + 2 * len(levels), desc="bench profile: services", unit="point") as progress:
+    with tqdm(total=points + 2 * settings.rounds * len(levels), desc="bench profile: services", unit="point") as progress:
         draft_table, speculate_table, _ = calibrate.measure_drafter_service(drafter_dir, drafter_model, settings,
                                                                            progress=progress)
-        verifier = calibrate.measure_verifier_serving(target_dir, prompts, levels=levels,
-                                                      max_tokens=settings.max_tokens, progress=progress)
-        speculating = calibrate.measure_verifier_serving(target_dir, prompts, levels=levels, max_tokens=settings.max_tokens,
-                                                         progress=progress, drafter_dir=drafter_dir, mode="async")
+        plain_rounds, speculating_rounds = [], []
+        for _ in range(settings.rounds):
+            plain_rounds.append(calibrate.measure_verifier_serving(target_dir, prompts, levels=levels,
+                                                                   max_tokens=settings.max_tokens, progress=progress))
+            speculating_rounds.append(calibrate.measure_verifier_serving(
+                target_dir, prompts, levels=levels, max_tokens=settings.max_tokens, progress=progress,
+                drafter_dir=drafter_dir, mode="async"))
+    verifier, speculating = median_rounds(plain_rounds), median_rounds(speculating_rounds)
     profile["drafter_pass"] = {k: profile["drafter"][k] for k in ("batch", "tokens", "seconds")}
     profile["speculate_pass"] = {k: profile["speculate"][k] for k in ("batch", "tokens", "seconds")}
     profile["drafter"]["seconds"] = draft_table.seconds
@@ -415,6 +423,22 @@ def measure_services(profile: dict, settings: ProfileSettings, target_dir: str, 
     profile["notes"] += ("; drafter tables: round trips through a drafter replica from another process (loopback "
                          "gRPC included); serving.verifier: a plain verifier service under closed-loop HTTP load; "
                          "serving.speculative: the same verifier speculating (async) with one drafter replica")
+
+
+def median_rounds(rounds: list[dict]) -> dict:
+    """Rounds of `services.calibrate.measure_verifier_serving` as one: per level, each figure's
+    median over the rounds (the trace is the same in every round: greedy, the same prompts in
+    the same order); ``rounds`` keeps every round's mean pass seconds."""
+    first = rounds[0]
+    out = {"concurrency": list(first["concurrency"]), "trace": first["trace"]}
+    for name, values in first.items():
+        if name in out:
+            continue
+        out[name] = [statistics.median(r[name][i] for r in rounds) for i in range(len(values))]
+    out["requests"] = [int(n) for n in out["requests"]]
+    out["passes"] = [int(n) for n in out["passes"]]
+    out["rounds_target_seconds"] = [[r["target_seconds"][i] for r in rounds] for i in range(len(first["concurrency"]))]
+    return out
 
 
 def pass_scales(bare, columns: dict, prompt_lengths, outputs) -> list[float]:
@@ -504,6 +528,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rpc-ms", type=float, default=None,
                         help="network time one drafter round trip adds, ms (default 0 when the drafter is timed "
                              "through a replica, which includes loopback gRPC; 0.5 with --no-services)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds of the verifier services' calibration; per level the median round (default 1)")
     parser.add_argument("--no-services", action="store_true",
                         help="time passes in this process only: skip the drafter round trips through a replica and "
                              "the verifier service's serving costs (services.calibrate)")
@@ -523,6 +549,9 @@ def run(args: argparse.Namespace) -> int:
         settings.tokens = _ints(args.tokens, "--tokens")
     if args.repeats:
         settings.repeats = args.repeats
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
+    settings.rounds = args.rounds
     rpc_ms = args.rpc_ms if args.rpc_ms is not None else (0.5 if args.no_services else 0.0)
     if rpc_ms < 0:
         raise ValueError(f"--rpc-ms must be >= 0, got {rpc_ms}")

@@ -394,3 +394,20 @@ def test_the_plan_goes_past_the_ratios_tried_while_the_best_sits_at_their_edge()
     given = plan(profile, settings(gpus=60, concurrency=480, requests=960, block_sizes=(16,), output_tokens="64",
                                    ratios=("1:1", "3:1")), progress=False)
     assert {(r.split.drafters, r.split.verifiers) for r in given.rows if r.mode != "plain"} == {(30, 30), (45, 15)}
+
+
+def test_calibration_rounds_become_the_median_round_per_level():
+    from specd.bench.profile import median_rounds
+
+    def round_(scale: float) -> dict:
+        return {"concurrency": [1, 16], "requests": [16, 64], "rows": [1.0, 14.0 * scale], "passes": [900, 300],
+                "target_seconds": [0.003 * scale, 0.02 * scale], "overhead_seconds": [0.001, 0.004 * scale],
+                "tokens_per_s": [300 / scale, 700 / scale], "trace": [[[10, 64]], [[12, 64]]]}
+
+    merged = median_rounds([round_(1.0), round_(2.0), round_(1.1)])  # the middle round was on a slow minute
+    assert merged["target_seconds"] == pytest.approx([0.0033, 0.022])
+    assert merged["tokens_per_s"] == pytest.approx([300 / 1.1, 700 / 1.1])
+    assert merged["overhead_seconds"] == pytest.approx([0.001, 0.0044])
+    assert merged["concurrency"] == [1, 16] and merged["trace"] == [[[10, 64]], [[12, 64]]]
+    assert merged["rounds_target_seconds"][0] == pytest.approx([0.003, 0.006, 0.0033])
+    assert median_rounds([round_(1.0)])["target_seconds"] == [0.003, 0.02]
