@@ -21,7 +21,8 @@ and the HTTP layer beyond one network hop each way.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -50,6 +51,8 @@ class CompareRow:
     measured_overhead_ms: float = 0.0
     """Verifier loop time per step outside passes and blocking drafter calls."""
     simulated_overhead_ms: float = 0.0
+    measured_runs: list[float] = field(default_factory=list)
+    """tokens/s of every round of a ``--repeats`` run (the row reports the median round)."""
 
     @property
     def ratio(self) -> float:
@@ -115,21 +118,30 @@ def compare_serve(profile: Profile, serve: dict, *, seeds: int = 3, use_measured
             measured_target_ms=float(row.get("target_ms", 0.0)), simulated_target_ms=1e3 * mean["target_seconds_per_pass"],
             measured_overhead_ms=float(row.get("step_overhead_ms", 0.0)),
             simulated_overhead_ms=1e3 * mean["overhead_seconds_per_step"],
+            measured_runs=[float(x) for x in row.get("runs", [])],
         ))
     if not out:
         raise ValueError("the bench serve JSON has no rows with completed requests")
     return out
 
 
+def spread(row: CompareRow) -> float:
+    """(max - min) / median of the measured rounds' tokens/s (0 for a single round)."""
+    runs = row.measured_runs
+    return (max(runs) - min(runs)) / row.measured_tokens_per_s if len(runs) > 1 and row.measured_tokens_per_s else 0.0
+
+
 def format_compare(rows: list[CompareRow]) -> str:
-    head = (f"{'deployment':<11}{'conc':>5}{'reqs':>5}{'tok/s meas':>11}{'sim':>9}{'sim/meas':>9}"
+    rounds = max((len(r.measured_runs) for r in rows), default=0)
+    head = (f"{'deployment':<11}{'conc':>5}{'reqs':>5}{'tok/s meas':>11}" + (f"{'spread':>7}" if rounds > 1 else "")
+            + f"{'sim':>9}{'sim/meas':>9}"
             f"{'TPOT meas':>10}{'sim':>8}{'TTFT meas':>10}{'sim':>8}{'tau meas':>9}{'sim':>6}"
             f"{'pass meas':>10}{'sim':>8}{'ovh meas':>9}{'sim':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r.deployment:<11}{r.concurrency:>5}{r.requests:>5}{r.measured_tokens_per_s:>11.1f}"
-            f"{r.simulated_tokens_per_s:>9.1f}{r.ratio:>8.2f}x{r.measured_tpot_p50 * 1e3:>8.1f}ms"
+            + (f"{spread(r):>6.0%} " if rounds > 1 else "") + f"{r.simulated_tokens_per_s:>9.1f}{r.ratio:>8.2f}x{r.measured_tpot_p50 * 1e3:>8.1f}ms"
             f"{r.simulated_tpot_p50 * 1e3:>6.1f}ms{r.measured_ttft_p50 * 1e3:>8.0f}ms{r.simulated_ttft_p50 * 1e3:>6.0f}ms"
             f"{r.measured_tau:>9.2f}{r.simulated_tau:>6.2f}"
             f"{r.measured_target_ms:>8.2f}ms{r.simulated_target_ms:>6.2f}ms"
@@ -137,4 +149,44 @@ def format_compare(rows: list[CompareRow]) -> str:
     ratios = [r.ratio for r in rows]
     lines.append(f"tokens/s sim/meas: median {np.median(ratios):.2f}, worst {max(ratios, key=lambda x: abs(x - 1)):.2f}; "
                  f"within 15%: {sum(abs(x - 1) <= 0.15 for x in ratios)}/{len(ratios)}")
+    if rounds > 1:
+        lines.append(f"measured: the median of {rounds} rounds per row; spread = (max - min) / median of the rounds' "
+                     "tokens/s, how far the machine moved under the row")
     return "\n".join(lines)
+
+
+def write_compare(rows: list[CompareRow], json_path: Path) -> list[Path]:
+    """The rows as JSON and a plot of simulated against measured tokens/s (measured rounds as
+    error bars), per deployment, over concurrency."""
+    import json
+
+    from matplotlib.figure import Figure
+
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    ratios = [r.ratio for r in rows]
+    json_path.write_text(json.dumps({
+        "rows": [{**asdict(r), "ratio": r.ratio} for r in rows],
+        "median_ratio": float(np.median(ratios)), "worst_ratio": max(ratios, key=lambda x: abs(x - 1)),
+        "within_15_percent": sum(abs(x - 1) <= 0.15 for x in ratios), "rows_compared": len(ratios),
+    }, indent=1) + "\n")
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
+    for i, deployment in enumerate(dict.fromkeys(r.deployment for r in rows)):
+        mine = [r for r in rows if r.deployment == deployment]
+        color = f"C{i}"
+        x = [r.concurrency for r in mine]
+        low = [r.measured_tokens_per_s - min(r.measured_runs or [r.measured_tokens_per_s]) for r in mine]
+        high = [max(r.measured_runs or [r.measured_tokens_per_s]) - r.measured_tokens_per_s for r in mine]
+        ax.errorbar(x, [r.measured_tokens_per_s for r in mine], yerr=[low, high], color=color, marker="o",
+                    capsize=3, label=f"{deployment} measured")
+        ax.plot(x, [r.simulated_tokens_per_s for r in mine], color=color, marker="x", linestyle="--",
+                label=f"{deployment} simulated")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("simulator vs specd bench serve")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    png = json_path.with_suffix(".png")
+    fig.savefig(png, dpi=110)
+    return [json_path, png]

@@ -42,7 +42,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from tqdm import tqdm
 
-from specd.plan.compare import compare_serve, format_compare
+from specd.plan.compare import compare_serve, format_compare, write_compare
 from specd.plan.profile import CostTable, Profile, load_profile
 from specd.plan.sim import Lengths, SimConfig, SimResult, TraceRequest, Workload, load_trace, simulate
 
@@ -446,7 +446,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default="", help="also write every row as JSON here")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compare-serve", default="", metavar="SERVE_JSON",
-                        help="instead of planning: simulate the rows of a `specd bench serve` JSON and compare")
+                        help="instead of planning: simulate the rows of a `specd bench serve` JSON and compare "
+                             "(writes SERVE_compare.json and .png beside it)")
     parser.add_argument("--measured-hits", action="store_true", help="with --compare-serve: use each row's measured hit rate")
 
 
@@ -468,6 +469,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"no bench serve JSON at {path}: run `specd bench serve --json {path}` first")
         rows = compare_serve(profile, json.loads(path.read_text()), use_measured_hits=args.measured_hits)
         print(format_compare(rows))
+        for written in write_compare(rows, path.with_name(f"{path.stem}_compare.json")):
+            print(f"wrote {written}")
         return 0
     if args.gpus < 1:
         raise ValueError("--gpus N is required (the GPU budget), with --concurrency C or --rate R")

@@ -344,12 +344,17 @@ def test_compare_serve_against_an_analytic_plain_run(tmp_path, capsys):
     (row,) = compare_serve(parse_profile(json.loads(profile_path.read_text())), serve, seeds=1)
     assert row.ratio == pytest.approx(1.0, rel=0.01)  # outputs capped at the run's max_tokens (32)
     assert row.simulated_tpot_p50 == pytest.approx(0.010)
+    serve["rows"][0]["runs"] = [380.0, 400.0, 460.0]  # a --repeats 3 run: the row is the median round
     serve_path = tmp_path / "serve.json"
     serve_path.write_text(json.dumps(serve))
     parser = argparse.ArgumentParser()
     planner.add_arguments(parser)
     assert planner.run(parser.parse_args(["--profile", str(profile_path), "--compare-serve", str(serve_path)])) == 0
-    assert "within 15%: 1/1" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "within 15%: 1/1" in out and "20%" in out  # the rounds' spread, (460 - 380) / 400
+    written = json.loads((tmp_path / "serve_compare.json").read_text())
+    assert written["within_15_percent"] == 1 and written["rows"][0]["measured_runs"] == [380.0, 400.0, 460.0]
+    assert (tmp_path / "serve_compare.png").stat().st_size > 0
     with pytest.raises(ValueError, match="not a `specd bench serve` JSON"):
         compare_serve(parse_profile(synthetic()), {"rows": 3})
 
