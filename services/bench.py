@@ -39,6 +39,7 @@ from services.common.config import ServiceConfig
 from services.common.server import open_channel
 from services.up import Stack, StackConfig
 from specd._proto.v1 import verifier_pb2_grpc
+from specd.plan.compare import spread as round_spread
 
 
 @dataclass(kw_only=True)
@@ -178,7 +179,7 @@ def bench_serve(settings: ServeSettings, target: str, drafter: str) -> list[Serv
     pool = prompts()
     chosen = [d for d in DEPLOYMENTS if d.name in settings.deployments]
     if settings.repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {settings.repeats}")
+        raise ValueError(f"--repeats must be >= 1, got {settings.repeats}")
     progress = tqdm(total=settings.repeats * len(chosen) * len(settings.concurrency), desc="bench serve", unit="level")
     rounds: list[list[ServeRow]] = []
     for round_ in range(settings.repeats):
@@ -222,7 +223,6 @@ def _ratios_to_plain(rows: list[ServeRow]) -> None:
     """Each row's speedup and drafter-free speedup against plain decoding in the same round."""
     plain = {r.concurrency: r for r in rows if r.deployment == "plain"}
     for row in rows:
-        row.runs = [row.tokens_per_s]
         base = plain.get(row.concurrency)
         if base is not None and base.tokens_per_s:
             row.speedup = row.tokens_per_s / base.tokens_per_s
@@ -319,17 +319,12 @@ def format_table(rows: list[ServeRow]) -> str:
     for r in rows:
         lines.append(
             f"{r.deployment:<11}{r.concurrency:>5}{r.requests:>5}{r.tokens_per_s:>8.1f}"
-            + (f"{_spread(r):>7.0%} " if spread else "") + f"{r.speedup:>8.2f}x"
+            + (f"{round_spread(r.runs, r.tokens_per_s):>7.0%} " if spread else "") + f"{r.speedup:>8.2f}x"
             f"{r.drafter_free:>8.2f}x"
             f"{r.tau:>6.2f}{r.hit_rate:>6.0%}{r.ttft_p50 * 1e3:>8.0f}ms{r.ttft_p99 * 1e3:>6.0f}ms"
             f"{r.tpot_p50 * 1e3:>8.1f}ms{r.tpot_p99 * 1e3:>6.1f}ms{len(r.errors):>7}"
         )
     return "\n".join(lines)
-
-
-def _spread(row: ServeRow) -> float:
-    """(max - min) / median of the rounds' tokens/s: how much the machine moved under this row."""
-    return (max(row.runs) - min(row.runs)) / row.tokens_per_s if row.runs and row.tokens_per_s else 0.0
 
 
 def plot(rows: list[ServeRow], out_dir: Path) -> list[Path]:
@@ -373,8 +368,6 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from services.up import _zoo_model
 
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     settings = ServeSettings(pin=not args.no_pin, max_tokens=args.max_tokens, client=args.client, repeats=args.repeats)
     if args.quick:
         settings.concurrency, settings.requests_per_level = (1, 4, 16), 16

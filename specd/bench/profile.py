@@ -428,7 +428,7 @@ def measure_services(profile: dict, settings: ProfileSettings, target_dir: str, 
 def median_rounds(rounds: list[dict]) -> dict:
     """Rounds of `services.calibrate.measure_verifier_serving` as one: per level, each figure's
     median over the rounds (the trace is the same in every round: greedy, the same prompts in
-    the same order); ``rounds`` keeps every round's mean pass seconds."""
+    the same order); ``rounds_target_seconds`` keeps every round's mean pass seconds."""
     first = rounds[0]
     out = {"concurrency": list(first["concurrency"]), "trace": first["trace"]}
     for name, values in first.items():

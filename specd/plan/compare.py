@@ -125,10 +125,10 @@ def compare_serve(profile: Profile, serve: dict, *, seeds: int = 3, use_measured
     return out
 
 
-def spread(row: CompareRow) -> float:
-    """(max - min) / median of the measured rounds' tokens/s (0 for a single round)."""
-    runs = row.measured_runs
-    return (max(runs) - min(runs)) / row.measured_tokens_per_s if len(runs) > 1 and row.measured_tokens_per_s else 0.0
+def spread(runs: list[float], median: float) -> float:
+    """(max - min) / median of a row's rounds' tokens/s — how far the machine moved under the
+    row (0 for a single round). `specd bench serve` prints it too."""
+    return (max(runs) - min(runs)) / median if len(runs) > 1 and median else 0.0
 
 
 def format_compare(rows: list[CompareRow]) -> str:
@@ -141,7 +141,7 @@ def format_compare(rows: list[CompareRow]) -> str:
     for r in rows:
         lines.append(
             f"{r.deployment:<11}{r.concurrency:>5}{r.requests:>5}{r.measured_tokens_per_s:>11.1f}"
-            + (f"{spread(r):>6.0%} " if rounds > 1 else "") + f"{r.simulated_tokens_per_s:>9.1f}{r.ratio:>8.2f}x{r.measured_tpot_p50 * 1e3:>8.1f}ms"
+            + (f"{spread(r.measured_runs, r.measured_tokens_per_s):>6.0%} " if rounds > 1 else "") + f"{r.simulated_tokens_per_s:>9.1f}{r.ratio:>8.2f}x{r.measured_tpot_p50 * 1e3:>8.1f}ms"
             f"{r.simulated_tpot_p50 * 1e3:>6.1f}ms{r.measured_ttft_p50 * 1e3:>8.0f}ms{r.simulated_ttft_p50 * 1e3:>6.0f}ms"
             f"{r.measured_tau:>9.2f}{r.simulated_tau:>6.2f}"
             f"{r.measured_target_ms:>8.2f}ms{r.simulated_target_ms:>6.2f}ms"

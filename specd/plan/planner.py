@@ -177,16 +177,23 @@ def splits(settings: PlanSettings) -> list[Split]:
         ratios = [parse_ratio(r) for r in DEFAULT_RATIOS]
     out: list[Split] = []
     for ratio in ratios:
-        if ratio == 0:
-            continue  # plain decoding: its own row
-        verifiers = int(gpus / (gv + float(ratio) * gd))
-        verifiers = min(verifiers, (gpus - gd) // gv)  # room for at least one drafter
-        if verifiers < 1:
-            continue
-        split = Split(verifiers=verifiers, drafters=(gpus - verifiers * gv) // gd)
-        if split not in out:
+        split = split_for_ratio(settings, ratio)
+        if split is not None and split not in out:
             out.append(split)
     return out
+
+
+def split_for_ratio(settings: PlanSettings, ratio: Fraction) -> Split | None:
+    """The split of the budget at drafters:verifiers ``ratio`` (module docstring), or None where
+    the ratio is plain decoding (0) or leaves no whole verifier next to a drafter."""
+    gpus, gv, gd = settings.serving_gpus, settings.gpus_per_verifier, settings.gpus_per_drafter
+    if ratio == 0:
+        return None  # plain decoding: its own row
+    verifiers = int(gpus / (gv + float(ratio) * gd))
+    verifiers = min(verifiers, (gpus - gd) // gv)  # room for at least one drafter
+    if verifiers < 1:
+        return None
+    return Split(verifiers=verifiers, drafters=(gpus - verifiers * gv) // gd)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -308,12 +315,9 @@ def _extend_past_the_edge(settings: PlanSettings, rows: list[PlanRow], candidate
         best = max(spec, key=lambda r: r.result.tokens_per_s)
         if best.split.drafters < max(c.drafters for c in candidates):
             break
-        ratio = parse_ratio(text)
-        verifiers = int(settings.serving_gpus / (settings.gpus_per_verifier + float(ratio) * settings.gpus_per_drafter))
-        if verifiers < 1:
+        split = split_for_ratio(settings, parse_ratio(text))
+        if split is None:
             break
-        split = Split(verifiers=verifiers, drafters=(settings.serving_gpus - verifiers * settings.gpus_per_verifier)
-                      // settings.gpus_per_drafter)
         if split in candidates:
             continue
         candidates = [*candidates, split]
