@@ -388,22 +388,27 @@ def measure_services(profile: dict, settings: ProfileSettings, target_dir: str, 
     over the simulator's mean pass for the same level (the same requests replayed in the same
     order by the same closed loop). ``serving.speculative`` is the same verifier speculating
     (async, one drafter replica): its step time outside the pass and its blocking drafter calls,
-    and its pass over the simulated pass with the block fixed at the measured mean (`pass_scales`)."""
+    and its pass over the simulated pass with the block fixed at the measured mean (`pass_scales`);
+    ``serving.speculative_sync`` the same drafting synchronously — its core idles through a Draft
+    round trip before every pass, and a pass after an idle core costs more than one after a busy
+    one, so sync deployments get their own ratios. With ``settings.rounds`` the three run round
+    robin, each round starting its services afresh."""
     from services import calibrate  # the services need gRPC & co.; the in-process part does not
     from specd.plan.sim import Lengths
 
     points = len(settings.batches) * (len(settings.tails) + len(settings.budgets) * (1 + len(settings.extra_blocks)))
-    with tqdm(total=points + 2 * settings.rounds * len(levels), desc="bench profile: services", unit="point") as progress:
+    modes = ("plain", "async", "sync")
+    with tqdm(total=points + len(modes) * settings.rounds * len(levels), desc="bench profile: services",
+              unit="point") as progress:
         draft_table, speculate_table, _ = calibrate.measure_drafter_service(drafter_dir, drafter_model, settings,
                                                                            progress=progress)
-        plain_rounds, speculating_rounds = [], []
+        rounds: dict[str, list[dict]] = {mode: [] for mode in modes}
         for _ in range(settings.rounds):
-            plain_rounds.append(calibrate.measure_verifier_serving(target_dir, prompts, levels=levels,
-                                                                   max_tokens=settings.max_tokens, progress=progress))
-            speculating_rounds.append(calibrate.measure_verifier_serving(
-                target_dir, prompts, levels=levels, max_tokens=settings.max_tokens, progress=progress,
-                drafter_dir=drafter_dir, mode="async"))
-    verifier, speculating = median_rounds(plain_rounds), median_rounds(speculating_rounds)
+            for mode in modes:  # round robin: a slow minute lands on one round of each mode
+                rounds[mode].append(calibrate.measure_verifier_serving(
+                    target_dir, prompts, levels=levels, max_tokens=settings.max_tokens, progress=progress,
+                    drafter_dir="" if mode == "plain" else drafter_dir, mode="async" if mode == "plain" else mode))
+    verifier, speculating, synchronous = (median_rounds(rounds[mode]) for mode in modes)
     profile["drafter_pass"] = {k: profile["drafter"][k] for k in ("batch", "tokens", "seconds")}
     profile["speculate_pass"] = {k: profile["speculate"][k] for k in ("batch", "tokens", "seconds")}
     profile["drafter"]["seconds"] = draft_table.seconds
@@ -412,17 +417,20 @@ def measure_services(profile: dict, settings: ProfileSettings, target_dir: str, 
     prompt_lengths = Lengths.parse(profile["workload"]["prompt_tokens"])
     outputs = Lengths.parse([min(n, settings.max_tokens) for n in profile["workload"]["output_tokens"]])
     verifier["target_scale"] = pass_scales(bare, verifier, prompt_lengths, outputs)
-    speculating["target_scale"] = pass_scales(bare, speculating, prompt_lengths, outputs)
+    speculating["target_scale"] = pass_scales(bare, speculating, prompt_lengths, outputs, mode="async")
+    synchronous["target_scale"] = pass_scales(bare, synchronous, prompt_lengths, outputs, mode="sync")
 
     def by_rows(columns: dict) -> dict:
         order = sorted(range(len(columns["rows"])), key=columns["rows"].__getitem__)
         keep = [i for n, i in enumerate(order) if n == 0 or columns["rows"][i] > columns["rows"][order[n - 1]]]
         return {k: [v[i] for i in keep] for k, v in columns.items()}
 
-    profile["serving"] = {"drafter_round_trips": True, "verifier": by_rows(verifier), "speculative": by_rows(speculating)}
+    profile["serving"] = {"drafter_round_trips": True, "verifier": by_rows(verifier), "speculative": by_rows(speculating),
+                          "speculative_sync": by_rows(synchronous)}
     profile["notes"] += ("; drafter tables: round trips through a drafter replica from another process (loopback "
                          "gRPC included); serving.verifier: a plain verifier service under closed-loop HTTP load; "
-                         "serving.speculative: the same verifier speculating (async) with one drafter replica")
+                         "serving.speculative: the same verifier speculating (async) with one drafter replica; "
+                         "serving.speculative_sync: the same, drafting synchronously")
 
 
 def median_rounds(rounds: list[dict]) -> dict:
@@ -441,7 +449,7 @@ def median_rounds(rounds: list[dict]) -> dict:
     return out
 
 
-def pass_scales(bare, columns: dict, prompt_lengths, outputs) -> list[float]:
+def pass_scales(bare, columns: dict, prompt_lengths, outputs, *, mode: str = "async") -> list[float]:
     """Per level of a `services.calibrate.measure_verifier_serving` run: its mean in-service pass
     over the simulator's mean pass for the same requests, replayed in the same order by the same
     closed loop (prefills included) — plain, or speculating with the block fixed at the measured
@@ -453,7 +461,7 @@ def pass_scales(bare, columns: dict, prompt_lengths, outputs) -> list[float]:
         requests = [TraceRequest(arrival_s=None, prompt_tokens=p, output_tokens=max(o, 1)) for p, o in trace]
         if "tokens_per_row" in columns:
             block = max(1, round(columns["tokens_per_row"][i] - 1))
-            config = SimConfig(mode="async", drafters=1, block_size=block, adaptive_block=False, max_num_seqs=64)
+            config = SimConfig(mode=mode, drafters=1, block_size=block, adaptive_block=False, max_num_seqs=64)
         else:
             config = SimConfig(mode="plain", drafters=0, block_size=0, max_num_seqs=64)
         simulated = simulate(bare, config, Workload(requests=len(requests), concurrency=concurrency, trace=requests,

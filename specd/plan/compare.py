@@ -53,6 +53,10 @@ class CompareRow:
     simulated_overhead_ms: float = 0.0
     measured_runs: list[float] = field(default_factory=list)
     """tokens/s of every round of a ``--repeats`` run (the row reports the median round)."""
+    calibrated_tokens_per_s: float = 0.0
+    """The same deployment at the same concurrency as `specd bench profile` measured it while
+    calibrating the verifier service (0: not calibrated there): the same load measured twice, at
+    two times — how far apart they are is the machine's drift between the two commands."""
 
     @property
     def ratio(self) -> float:
@@ -71,6 +75,19 @@ def deployment_config(name: str, settings: dict) -> SimConfig:
     mode, drafters, verifiers = match.group(1), int(match.group(2)), int(match.group(3))
     return SimConfig(mode=mode, drafters=drafters, verifiers=verifiers,
                      block_size=int(settings.get("block_size", 8)), **common)
+
+
+# `specd bench serve` deployments that `specd bench profile` calibrates, by their serving block.
+CALIBRATED = {"plain": "verifier", "async 1:1": "speculative", "sync 1:1": "speculative_sync"}
+
+
+def calibrated_tokens_per_s(profile: Profile, deployment: str, concurrency: int) -> float:
+    """tokens/s of the profile's calibration run of this deployment at this concurrency (0: none)."""
+    block = (profile.raw.get("serving") or {}).get(CALIBRATED.get(deployment, ""), {})
+    for level, tokens_per_s in zip(block.get("concurrency", []), block.get("tokens_per_s", [])):
+        if level == concurrency:
+            return float(tokens_per_s)
+    return 0.0
 
 
 def compare_serve(profile: Profile, serve: dict, *, seeds: int = 3, use_measured_hits: bool = False) -> list[CompareRow]:
@@ -119,6 +136,7 @@ def compare_serve(profile: Profile, serve: dict, *, seeds: int = 3, use_measured
             measured_overhead_ms=float(row.get("step_overhead_ms", 0.0)),
             simulated_overhead_ms=1e3 * mean["overhead_seconds_per_step"],
             measured_runs=[float(x) for x in row.get("runs", [])],
+            calibrated_tokens_per_s=calibrated_tokens_per_s(profile, row["deployment"], int(row["concurrency"])),
         ))
     if not out:
         raise ValueError("the bench serve JSON has no rows with completed requests")
@@ -133,15 +151,18 @@ def spread(runs: list[float], median: float) -> float:
 
 def format_compare(rows: list[CompareRow]) -> str:
     rounds = max((len(r.measured_runs) for r in rows), default=0)
+    calibrated = any(r.calibrated_tokens_per_s for r in rows)
     head = (f"{'deployment':<11}{'conc':>5}{'reqs':>5}{'tok/s meas':>11}" + (f"{'spread':>7}" if rounds > 1 else "")
-            + f"{'sim':>9}{'sim/meas':>9}"
+            + (f"{'profile':>8}" if calibrated else "") + f"{'sim':>9}{'sim/meas':>9}"
             f"{'TPOT meas':>10}{'sim':>8}{'TTFT meas':>10}{'sim':>8}{'tau meas':>9}{'sim':>6}"
             f"{'pass meas':>10}{'sim':>8}{'ovh meas':>9}{'sim':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r.deployment:<11}{r.concurrency:>5}{r.requests:>5}{r.measured_tokens_per_s:>11.1f}"
-            + (f"{spread(r.measured_runs, r.measured_tokens_per_s):>6.0%} " if rounds > 1 else "") + f"{r.simulated_tokens_per_s:>9.1f}{r.ratio:>8.2f}x{r.measured_tpot_p50 * 1e3:>8.1f}ms"
+            + (f"{spread(r.measured_runs, r.measured_tokens_per_s):>6.0%} " if rounds > 1 else "")
+            + ((f"{r.calibrated_tokens_per_s:>8.1f}" if r.calibrated_tokens_per_s else f"{'-':>8}") if calibrated else "")
+            + f"{r.simulated_tokens_per_s:>9.1f}{r.ratio:>8.2f}x{r.measured_tpot_p50 * 1e3:>8.1f}ms"
             f"{r.simulated_tpot_p50 * 1e3:>6.1f}ms{r.measured_ttft_p50 * 1e3:>8.0f}ms{r.simulated_ttft_p50 * 1e3:>6.0f}ms"
             f"{r.measured_tau:>9.2f}{r.simulated_tau:>6.2f}"
             f"{r.measured_target_ms:>8.2f}ms{r.simulated_target_ms:>6.2f}ms"
@@ -152,6 +173,10 @@ def format_compare(rows: list[CompareRow]) -> str:
     if rounds > 1:
         lines.append(f"measured: the median of {rounds} rounds per row; spread = (max - min) / median of the rounds' "
                      "tokens/s, how far the machine moved under the row")
+    if calibrated:
+        drift = [r.calibrated_tokens_per_s / r.measured_tokens_per_s for r in rows if r.calibrated_tokens_per_s]
+        lines.append(f"profile: the same deployment and load as `specd bench profile` measured it while calibrating; "
+                     f"profile/meas {min(drift):.2f} to {max(drift):.2f} — the same load measured twice")
     return "\n".join(lines)
 
 

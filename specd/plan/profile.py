@@ -38,9 +38,10 @@ Schema (``version`` 1; fields marked * are required):
                                "target_scale"*: [...], ...},   optional: a verifier service's
                                            step time outside its pass, and its pass over the
                                            target table's, by mean rows (`services.calibrate`)
-                  "speculative": {same columns}},   optional: the same for a verifier
-                                           speculating with a drafter replica (step time outside
-                                           its pass and its blocking drafter calls)
+                  "speculative": {same columns},   optional: the same for a verifier
+                                           speculating (async) with a drafter replica (step time
+                                           outside its pass and its blocking drafter calls)
+                  "speculative_sync": {same columns}},   optional: the same drafting synchronously
       "workload": {"prompt_tokens": [...], "output_tokens": [...], "max_tokens": 64}   optional
       "tensor_parallel": {"2": {"pass_scale": 0.56}, ...}   optional: a verifier of N ranks'
                                            target pass over the target table's (which is one
@@ -170,7 +171,9 @@ class Profile:
     padded_rows: bool = True
     serving: Serving | None = None
     speculative_serving: Serving | None = None
-    """A speculating verifier service's costs (`serving.speculative`); None: not measured."""
+    """A speculating (async) verifier service's costs (`serving.speculative`); None: not measured."""
+    sync_serving: Serving | None = None
+    """The same drafting synchronously (`serving.speculative_sync`); None: not measured."""
     drafter_round_trips: bool = False
     """The drafter tables are whole round trips through a replica (not bare passes)."""
     prompt_tokens: list[int] = field(default_factory=list)
@@ -341,7 +344,7 @@ def parse_profile(data: Any, *, source: str = "profile") -> Profile:
     group_sizes = data["drafter"].get("group_sizes", [])
     if not isinstance(group_sizes, list) or not all(isinstance(g, int) and g >= 2 for g in group_sizes):
         raise fail("drafter.group_sizes", f"must be a list of integers >= 2, got {group_sizes!r}")
-    serving, speculative, round_trips = None, None, False
+    serving, speculative, sync, round_trips = None, None, None, False
     if "serving" in data:
         block = data["serving"]
         if not isinstance(block, dict):
@@ -351,6 +354,8 @@ def parse_profile(data: Any, *, source: str = "profile") -> Profile:
             serving = _serving(block["verifier"], "serving.verifier", number, required, fail)
         if "speculative" in block:
             speculative = _serving(block["speculative"], "serving.speculative", number, required, fail)
+        if "speculative_sync" in block:
+            sync = _serving(block["speculative_sync"], "serving.speculative_sync", number, required, fail)
     tensor_parallel = {}
     for key, entry in (data.get("tensor_parallel") or {}).items():
         if not str(key).isdigit() or int(key) < 2 or not isinstance(entry, dict):
@@ -374,6 +379,7 @@ def parse_profile(data: Any, *, source: str = "profile") -> Profile:
         plain_seq_overhead_s=(number("overhead.plain_seq_seconds", overhead["plain_seq_seconds"], 0.0, 10.0)
                               if "plain_seq_seconds" in overhead else None),
         padded_rows=bool(data.get("padded_rows", True)), serving=serving, speculative_serving=speculative,
+        sync_serving=sync,
         drafter_round_trips=round_trips,
         prompt_tokens=lengths["prompt_tokens"], output_tokens=lengths["output_tokens"],
         tensor_parallel=tensor_parallel, notes=notes if isinstance(notes, str) else json.dumps(notes), raw=data,

@@ -15,8 +15,9 @@ It models what the services do, step by step, with costs from a profile (`specd.
   step adds the service's measured overhead (admission, sampling, streaming deltas to clients)
   plus, when speculating, what speculation adds to the engine's step in process (verification,
   candidate bookkeeping: its speculating overhead line minus its plain one) — or, where the
-  profile measured a speculating verifier service too (``serving.speculative``), that service's
-  pass ratio and overhead; otherwise the engine's in-process line
+  profile measured a speculating verifier service too (``serving.speculative``: async;
+  ``serving.speculative_sync``: sync, else sync borrows async's), that service's pass ratio and
+  overhead; otherwise the engine's in-process line
   ``step_seconds + seq_seconds * rows``.
 - **Blocks.** ``L`` is the configured block, or with ``adaptive_block`` (the verifier's default)
   what the engine's own `specd.cost_model.CostModel` picks, one per verifier, fed as the engine
@@ -327,9 +328,12 @@ class Simulation:
         self.acceptance = np.asarray(profile.acceptance(block) if block else [], dtype=np.float64)
         self.hit_rate = config.hit_rate if config.hit_rate is not None else profile.hit_rate_for(block)
         self.group = profile.group_size(block) if block else 0
-        # The verifier service's measured costs: a speculating one's where measured and speculating.
-        self.serving = (profile.speculative_serving if self.speculative and profile.speculative_serving is not None
-                        else profile.serving)
+        # The verifier service's measured costs: speculating, the one measured in this mode where
+        # there is one (sync borrows async's where only that was measured); else the plain one's.
+        measured = {"sync": (profile.sync_serving, profile.speculative_serving),
+                    "async": (profile.speculative_serving,)}.get(config.mode, ()) if self.speculative else ()
+        self.serving = next((s for s in measured if s is not None), profile.serving)
+        self.serving_speculative = self.serving is not None and self.serving is not profile.serving
         self.verifiers = [_Verifier(i, config.drafters, config.explore_every) for i in range(config.verifiers)]
         # What the engine's cost model is shown: the drafter's own confidence, where measured.
         self.confidence = profile.confidence(block) if block else []
@@ -442,7 +446,7 @@ class Simulation:
         if self.serving is None:
             return p.step_overhead_s + p.seq_overhead_s * rows
         overhead = self.serving.overhead(rows)
-        if self.serving is p.speculative_serving:
+        if self.serving_speculative:
             return overhead  # measured speculating: nothing to add
         if self.speculative and p.plain_step_overhead_s is not None:
             extra = (p.step_overhead_s - p.plain_step_overhead_s) + (p.seq_overhead_s - (p.plain_seq_overhead_s or 0.0)) * rows

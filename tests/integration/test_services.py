@@ -245,3 +245,8 @@ def test_bench_profile_times_the_drafter_through_a_replica_and_the_verifier_in_s
     assert all(1.0 <= t <= 1 + settings.block_size for t in speculative["tokens_per_row"])
     assert all(s > 0 for s in speculative["target_scale"]) and all(s >= 0 for s in speculative["overhead_seconds"])
     assert profile.speculative_serving.overhead(1) == pytest.approx(speculative["overhead_seconds"][0])
+    # ... and drafting synchronously: every step waits for a Draft round trip, outside its overhead.
+    synchronous = data["serving"]["speculative_sync"]
+    assert synchronous["concurrency"] == [1, 4] and synchronous["rows"][0] == pytest.approx(1.0)
+    assert all(s > 0 for s in synchronous["target_scale"]) and all(s >= 0 for s in synchronous["overhead_seconds"])
+    assert profile.sync_serving.scale(1) == pytest.approx(synchronous["target_scale"][0])

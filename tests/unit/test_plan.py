@@ -18,7 +18,7 @@ from specd.models.d3d import FLAVOURS as D3D_FLAVOURS
 from specd.models.d3d import D3DModel
 from specd.models.qwen3 import FLAVOURS, Qwen3ForCausalLM
 from specd.plan import planner
-from specd.plan.compare import compare_serve, deployment_config
+from specd.plan.compare import compare_serve, deployment_config, format_compare
 from specd.plan.planner import PlanSettings, Split, format_table, parse_ratio, plan, splits, values_override
 from specd.plan.profile import load_profile, parse_profile
 
@@ -357,6 +357,19 @@ def test_compare_serve_against_an_analytic_plain_run(tmp_path, capsys):
     assert (tmp_path / "serve_compare.png").stat().st_size > 0
     with pytest.raises(ValueError, match="not a `specd bench serve` JSON"):
         compare_serve(parse_profile(synthetic()), {"rows": 3})
+
+
+def test_the_compare_shows_the_profile_s_own_measurement_of_a_calibrated_deployment():
+    """A deployment `specd bench profile` calibrated (plain, async 1:1, sync 1:1) shows the tokens/s
+    it measured there at the same concurrency beside bench serve's; the others show none."""
+    serving = {"verifier": {"rows": [1.0, 3.9], "overhead_seconds": [0.0, 0.0], "target_scale": [1.0, 1.0],
+                            "concurrency": [1, 4], "tokens_per_s": [90.0, 352.0]}}
+    profile = parse_profile(synthetic(serving=serving))
+    rows = [{"deployment": name, "concurrency": 4, "requests": 16, "tokens_per_s": 400.0, "tpot_p50": 0.01,
+             "ttft_p50": 0.01} for name in ("plain", "async 2:1")]
+    plain, other = compare_serve(profile, {"settings": {"max_tokens": 32}, "rows": rows}, seeds=1)
+    assert plain.calibrated_tokens_per_s == 352.0 and other.calibrated_tokens_per_s == 0.0
+    assert "profile/meas 0.88 to 0.88" in format_compare([plain, other])
 
 
 def test_a_trace_with_arrivals_is_the_load(tmp_path):

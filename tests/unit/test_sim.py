@@ -266,3 +266,24 @@ def test_a_measured_speculating_service_prices_speculative_steps_and_plain_keeps
     assert fast.overhead_seconds_per_step == pytest.approx(0.003, rel=0.01)
     assert plain.target_seconds_per_pass == pytest.approx(0.010, rel=0.01)
     assert plain.overhead_seconds_per_step == pytest.approx(0.001, rel=0.01)
+
+
+def test_sync_deployments_use_the_sync_service_measurement_and_borrow_async_s_without_one():
+    """``serving.speculative_sync`` prices sync steps (its pass ratio, its overhead); async keeps
+    ``serving.speculative``; a profile without the sync block prices sync with async's."""
+    serving = {"verifier": {"rows": [1, 16], "overhead_seconds": [0.001, 0.001], "target_scale": [1.0, 1.0]},
+               "speculative": {"rows": [1, 16], "overhead_seconds": [0.003, 0.003], "target_scale": [2.0, 2.0]},
+               "speculative_sync": {"rows": [1, 16], "overhead_seconds": [0.005, 0.005], "target_scale": [3.0, 3.0]}}
+    workload = closed(1, 4, output=4096, prompt=1)
+    both = profile(target=lambda b, t: 0.010, serving=serving)
+    sync = simulate(both, SimConfig(mode="sync", adaptive_block=False), workload)
+    asynchronous = simulate(both, SimConfig(mode="async", adaptive_block=False), workload)
+    assert sync.target_seconds_per_pass == pytest.approx(0.030, rel=0.01)
+    assert sync.overhead_seconds_per_step == pytest.approx(0.005, rel=0.01)
+    assert asynchronous.target_seconds_per_pass == pytest.approx(0.020, rel=0.01)
+    assert asynchronous.overhead_seconds_per_step == pytest.approx(0.003, rel=0.01)
+    del serving["speculative_sync"]
+    borrowed = simulate(profile(target=lambda b, t: 0.010, serving=serving), SimConfig(mode="sync", adaptive_block=False),
+                        workload)
+    assert borrowed.target_seconds_per_pass == pytest.approx(0.020, rel=0.01)
+    assert borrowed.overhead_seconds_per_step == pytest.approx(0.003, rel=0.01)
