@@ -500,11 +500,16 @@ def format_profile(profile: dict) -> str:
                  + f"  hit rate {profile['hit_rate']:.2f}  tau {profile.get('tau', float('nan')):.2f}")
     for block, entry in profile.get("by_block", {}).items():
         lines.append(f"block {block}: tau {entry.get('tau', float('nan')):.2f}  hit rate {entry['hit_rate']:.2f}")
-    verifier = profile.get("serving", {}).get("verifier")
-    if verifier:
-        lines.append("\nverifier service (plain, HTTP streams): rows, step time outside the pass, pass vs table")
-        for rows, overhead, scale in zip(verifier["rows"], verifier["overhead_seconds"], verifier["target_scale"]):
-            lines.append(f"  rows {rows:5.1f}: overhead {1000 * overhead:6.2f} ms/step, pass x{scale:.2f}")
+    for key, what in (("verifier", "plain"), ("speculative", "speculating, async"), ("speculative_sync", "speculating, sync")):
+        columns = profile.get("serving", {}).get(key)
+        if not columns:
+            continue
+        lines.append(f"\nverifier service ({what}, HTTP streams): rows, step time outside the pass, pass vs table, tok/s")
+        for rows, overhead, scale, tokens_per_s in zip(columns["rows"], columns["overhead_seconds"],
+                                                       columns["target_scale"],
+                                                       columns.get("tokens_per_s") or [float("nan")] * len(columns["rows"])):
+            lines.append(f"  rows {rows:5.1f}: overhead {1000 * overhead:6.2f} ms/step, pass x{scale:.2f}, "
+                         f"{tokens_per_s:.1f} tok/s")
     overhead = profile.get("overhead", {})
     if "plain_step_seconds" in overhead:
         lines.append(f"engine overhead decoding plain: {1000 * overhead['plain_step_seconds']:.2f} ms/step + "
