@@ -65,13 +65,15 @@ def measure_verifier_serving(target_dir: str, pool: list[list[int]], *, levels: 
     """Per concurrency level: rows, pass and outside-the-pass seconds of a verifier serving HTTP
     streams of the prompts in ``pool`` (module docstring): plain, or with ``drafter_dir``
     speculating (``mode``) with one drafter replica — then the time outside the pass leaves out
-    its blocking drafter calls too (the simulator times those from the drafter tables)."""
+    its blocking drafter calls too (the simulator times those from the drafter tables, scaled by
+    the mean wait for one, ``draft_seconds``, over its own)."""
     config = StackConfig(target=target_dir, drafter=drafter_dir, drafters=1 if drafter_dir else 0, verifiers=1,
                          trainer=False, pin=pin, max_num_seqs=max_num_seqs, mode=mode, **_ports())
     out: dict[str, list] = {"concurrency": [], "requests": [], "rows": [], "passes": [], "target_seconds": [],
                             "overhead_seconds": [], "tokens_per_s": [], "trace": []}
     if drafter_dir:
         out["tokens_per_row"] = []  # 1 + the mean verified block: the pass's shape
+        out["draft_seconds"] = []  # the mean wait for one blocking Draft call
     with Stack(config) as stack, _clients_off_verifier_cores(stack):
         base = stack.verifiers[0].http
         send = _sender("http", stack, Path(target_dir).name)
@@ -104,6 +106,8 @@ def measure_verifier_serving(target_dir: str, pool: list[list[int]], *, levels: 
             if drafter_dir:
                 drafted = delta.get("specd:spec_decode_num_draft_tokens_total", 0.0)
                 out["tokens_per_row"].append(1.0 + drafted / counted if counted else 1.0)
+                calls = delta.get("specd:num_drafter_blocking_calls_total", 0.0)
+                out["draft_seconds"].append(blocking / calls if calls else 0.0)
             out["tokens_per_s"].append(sum(r.completion_tokens for r in results) / seconds)
             out["trace"].append([[r.prompt_tokens, r.completion_tokens] for r in results])
             if progress is not None:

@@ -388,7 +388,7 @@ def measure_services(profile: dict, settings: ProfileSettings, target_dir: str, 
     over the simulator's mean pass for the same level (the same requests replayed in the same
     order by the same closed loop). ``serving.speculative`` is the same verifier speculating
     (async, one drafter replica): its step time outside the pass and its blocking drafter calls,
-    and its pass over the simulated pass with the block fixed at the measured mean (`pass_scales`);
+    and its pass over the simulated pass with the block fixed at the measured mean (`add_scales`), and its blocking Draft wait over the simulated one;
     ``serving.speculative_sync`` the same drafting synchronously — its core idles through a Draft
     round trip before every pass, and a pass after an idle core costs more than one after a busy
     one, so sync deployments get their own ratios. With ``settings.rounds`` the three run round
@@ -416,9 +416,9 @@ def measure_services(profile: dict, settings: ProfileSettings, target_dir: str, 
     bare = parse_profile(profile, source="the measured profile")
     prompt_lengths = Lengths.parse(profile["workload"]["prompt_tokens"])
     outputs = Lengths.parse([min(n, settings.max_tokens) for n in profile["workload"]["output_tokens"]])
-    verifier["target_scale"] = pass_scales(bare, verifier, prompt_lengths, outputs)
-    speculating["target_scale"] = pass_scales(bare, speculating, prompt_lengths, outputs, mode="async")
-    synchronous["target_scale"] = pass_scales(bare, synchronous, prompt_lengths, outputs, mode="sync")
+    add_scales(bare, verifier, prompt_lengths, outputs)
+    add_scales(bare, speculating, prompt_lengths, outputs, mode="async")
+    add_scales(bare, synchronous, prompt_lengths, outputs, mode="sync")
 
     def by_rows(columns: dict) -> dict:
         order = sorted(range(len(columns["rows"])), key=columns["rows"].__getitem__)
@@ -449,14 +449,16 @@ def median_rounds(rounds: list[dict]) -> dict:
     return out
 
 
-def pass_scales(bare, columns: dict, prompt_lengths, outputs, *, mode: str = "async") -> list[float]:
-    """Per level of a `services.calibrate.measure_verifier_serving` run: its mean in-service pass
-    over the simulator's mean pass for the same requests, replayed in the same order by the same
-    closed loop (prefills included) — plain, or speculating with the block fixed at the measured
-    mean verified length (``tokens_per_row``), so the ratio is the pass's, not the block choice's."""
+def add_scales(bare, columns: dict, prompt_lengths, outputs, *, mode: str = "async") -> None:
+    """Per level of a `services.calibrate.measure_verifier_serving` run: ``target_scale``, its mean
+    in-service pass over the simulator's mean pass for the same requests, replayed in the same
+    order by the same closed loop (prefills included) — plain, or speculating with the block fixed
+    at the measured mean verified length (``tokens_per_row``), so the ratio is the pass's, not the
+    block choice's; speculating, also ``draft_scale``, its mean wait for a blocking Draft over the
+    simulator's in that replay."""
     from specd.plan.sim import SimConfig, TraceRequest, Workload, simulate
 
-    scales = []
+    scales, drafts = [], []
     for i, (concurrency, trace) in enumerate(zip(columns["concurrency"], columns["trace"])):
         requests = [TraceRequest(arrival_s=None, prompt_tokens=p, output_tokens=max(o, 1)) for p, o in trace]
         if "tokens_per_row" in columns:
@@ -467,7 +469,12 @@ def pass_scales(bare, columns: dict, prompt_lengths, outputs, *, mode: str = "as
         simulated = simulate(bare, config, Workload(requests=len(requests), concurrency=concurrency, trace=requests,
                                                     prompt_tokens=prompt_lengths, output_tokens=outputs))
         scales.append(round(columns["target_seconds"][i] / simulated.target_seconds_per_pass, 4))
-    return scales
+        if "draft_seconds" in columns:
+            wait = simulated.draft_wait_seconds_per_call
+            drafts.append(round(columns["draft_seconds"][i] / wait, 4) if wait and columns["draft_seconds"][i] else 1.0)
+    columns["target_scale"] = scales
+    if "draft_seconds" in columns:
+        columns["draft_scale"] = drafts
 
 
 def _line(batches: list[int], seconds: list[float]) -> tuple[float, float]:
@@ -510,6 +517,8 @@ def format_profile(profile: dict) -> str:
                                                        columns.get("tokens_per_s") or [float("nan")] * len(columns["rows"])):
             lines.append(f"  rows {rows:5.1f}: overhead {1000 * overhead:6.2f} ms/step, pass x{scale:.2f}, "
                          f"{tokens_per_s:.1f} tok/s")
+        if columns.get("draft_scale"):
+            lines.append("  blocking Draft wait vs table: " + ", ".join(f"x{d:.2f}" for d in columns["draft_scale"]))
     overhead = profile.get("overhead", {})
     if "plain_step_seconds" in overhead:
         lines.append(f"engine overhead decoding plain: {1000 * overhead['plain_step_seconds']:.2f} ms/step + "

@@ -38,9 +38,10 @@ Schema (``version`` 1; fields marked * are required):
                                "target_scale"*: [...], ...},   optional: a verifier service's
                                            step time outside its pass, and its pass over the
                                            target table's, by mean rows (`services.calibrate`)
-                  "speculative": {same columns},   optional: the same for a verifier
-                                           speculating (async) with a drafter replica (step time
-                                           outside its pass and its blocking drafter calls)
+                  "speculative": {same columns, "draft_scale": [...]},   optional: the same for a
+                                           verifier speculating (async) with a drafter replica
+                                           (step time outside its pass and its blocking drafter
+                                           calls), and its blocking Draft wait over the table's
                   "speculative_sync": {same columns}},   optional: the same drafting synchronously
       "workload": {"prompt_tokens": [...], "output_tokens": [...], "max_tokens": 64}   optional
       "tensor_parallel": {"2": {"pass_scale": 0.56}, ...}   optional: a verifier of N ranks'
@@ -123,12 +124,18 @@ class Serving:
     """Seconds of a step outside its target pass (admission, sampling, streaming deltas)."""
     target_scale: list[float]
     """The in-service target pass over the target table's cost for the same pass."""
+    draft_scale: list[float] = field(default_factory=list)
+    """A speculating service's blocking Draft wait over the drafter table's for the same calls
+    (empty: 1)."""
 
     def overhead(self, rows: int) -> float:
         return _interp(rows, self.rows, self.overhead_seconds)
 
     def scale(self, rows: int) -> float:
         return _interp(rows, self.rows, self.target_scale)
+
+    def draft(self, rows: int) -> float:
+        return _interp(rows, self.rows, self.draft_scale) if self.draft_scale else 1.0
 
 
 def _interp(x: float, xs: list[float], ys: list[float]) -> float:
@@ -234,7 +241,10 @@ def _serving(data: Any, where: str, number, required, fail) -> Serving:
         raise fail(where, "needs rows, overhead_seconds and target_scale of one length")
     if any(b <= a for a, b in itertools.pairwise(columns["rows"])):
         raise fail(f"{where}.rows", f"must be strictly increasing, got {columns['rows']!r}")
-    return Serving(**columns)
+    draft = data.get("draft_scale") or []
+    if not isinstance(draft, list) or len(draft) not in (0, len(columns["rows"])):
+        raise fail(f"{where}.draft_scale", f"must be a list of numbers as long as rows, got {draft!r}")
+    return Serving(**columns, draft_scale=[number(f"{where}.draft_scale", v, 0.0) for v in draft])
 
 
 def _samples(data: Any, block_size: int, fail) -> dict:

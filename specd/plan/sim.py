@@ -17,7 +17,9 @@ It models what the services do, step by step, with costs from a profile (`specd.
   candidate bookkeeping: its speculating overhead line minus its plain one) — or, where the
   profile measured a speculating verifier service too (``serving.speculative``: async;
   ``serving.speculative_sync``: sync, else sync borrows async's), that service's pass ratio and
-  overhead; otherwise the engine's in-process line
+  overhead, and its blocking Draft calls cost the drafter table times that service's measured
+  ratio (``draft_scale``: the verifier's own gRPC client, in a busy process, waits longer than
+  the bench's quiet one that timed the table); otherwise the engine's in-process line
   ``step_seconds + seq_seconds * rows``.
 - **Blocks.** ``L`` is the configured block, or with ``adaptive_block`` (the verifier's default)
   what the engine's own `specd.cost_model.CostModel` picks, one per verifier, fed as the engine
@@ -255,6 +257,8 @@ class SimResult:
     overhead_seconds_per_step: float
     """Mean seconds of a step outside the target pass and drafter waits."""
     blocking_draft_calls: int
+    draft_wait_seconds_per_call: float
+    """Mean seconds a verifier waited for one blocking Draft call (round trip and queueing)."""
     mean_batch: float
     verifier_utilisation: float
     drafter_utilisation: float
@@ -351,7 +355,7 @@ class Simulation:
         shared = [simpy.Resource(self.env, capacity=1) for _ in range(config.drafter_devices)]
         self.drafters = [_Drafter(self.env, i, shared[i % len(shared)] if shared else None) for i in range(num_drafters)]
         self.finished: list[_Request] = []
-        self.target_seconds = self.overhead_seconds = 0.0
+        self.target_seconds = self.overhead_seconds = self.draft_wait_seconds = 0.0
         self.passes = self.pass_seqs = self.accepted = self.committed = self.lookups = self.hits = self.blocking = 0
         self._next_verifier = 0
 
@@ -414,7 +418,11 @@ class Simulation:
             need = [s for s in running if not s.has_block] if self.speculative else []
             if need:
                 self.blocking += 1
-                yield from self._call(need, "draft", 0)
+                waiting = env.now
+                # A measured speculating service prices its blocking Drafts as its own client saw them.
+                scale = self.serving.draft(len(running)) if self.serving_speculative else 1.0
+                yield from self._call(need, "draft", 0, scale)
+                self.draft_wait_seconds += env.now - waiting
                 for seq in need:
                     seq.has_block, seq.tail = True, 0
             rows = len(running)  # the engine passes the busy rows only (handed out lowest first)
@@ -527,18 +535,19 @@ class Simulation:
         request.done.succeed()
 
     # ------------------------------------------------------------------ drafter calls
-    def _call(self, seqs: list[_Seq], kind: str, length: int):
-        """One engine drafter call: split by replica, parts concurrent, wait for all."""
+    def _call(self, seqs: list[_Seq], kind: str, length: int, scale: float = 1.0):
+        """One engine drafter call: split by replica, parts concurrent, wait for all; each part's
+        pass costs the table times ``scale``."""
         parts: dict[_Drafter, list[_Seq]] = {}
         for seq in seqs:
             parts.setdefault(seq.replica, []).append(seq)
         if len(parts) == 1:
             ((replica, part),) = parts.items()
-            yield from self._part(replica, part, kind, length)
+            yield from self._part(replica, part, kind, length, scale)
         else:
-            yield self.env.all_of([self.env.process(self._part(r, p, kind, length)) for r, p in parts.items()])
+            yield self.env.all_of([self.env.process(self._part(r, p, kind, length, scale)) for r, p in parts.items()])
 
-    def _part(self, replica: _Drafter, part: list[_Seq], kind: str, length: int):
+    def _part(self, replica: _Drafter, part: list[_Seq], kind: str, length: int, scale: float = 1.0):
         env = self.env
         if self.hop:
             yield env.timeout(self.hop)
@@ -547,6 +556,7 @@ class Simulation:
             cost = self.profile.drafter(rows, _row_tokens([s.tail + self.group for s in part], self.padded))
         else:
             cost = self.profile.speculate(rows, length + self.config.candidate_budget * (1 + self.group))
+        cost *= scale
         with replica.lock.request() as turn:
             yield turn
             if replica.device is None:
@@ -597,6 +607,7 @@ class Simulation:
             target_seconds_per_pass=self.target_seconds / self.passes if self.passes else 0.0,
             overhead_seconds_per_step=self.overhead_seconds / self.passes if self.passes else 0.0,
             blocking_draft_calls=self.blocking,
+            draft_wait_seconds_per_call=self.draft_wait_seconds / self.blocking if self.blocking else 0.0,
             mean_batch=self.pass_seqs / self.passes if self.passes else 0.0,
             verifier_utilisation=sum(v.busy for v in self.verifiers) / (seconds * len(self.verifiers)) if seconds > 0 else 0.0,
             drafter_utilisation=float(np.mean(busy)) if self.drafters else 0.0,

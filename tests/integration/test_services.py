@@ -250,3 +250,6 @@ def test_bench_profile_times_the_drafter_through_a_replica_and_the_verifier_in_s
     assert synchronous["concurrency"] == [1, 4] and synchronous["rows"][0] == pytest.approx(1.0)
     assert all(s > 0 for s in synchronous["target_scale"]) and all(s >= 0 for s in synchronous["overhead_seconds"])
     assert profile.sync_serving.scale(1) == pytest.approx(synchronous["target_scale"][0])
+    # Every sync step waits for a Draft: its measured wait over the simulator's is a ratio too.
+    assert all(d > 0 for d in synchronous["draft_seconds"]) and all(s > 0 for s in synchronous["draft_scale"])
+    assert profile.sync_serving.draft(1) == pytest.approx(synchronous["draft_scale"][0])

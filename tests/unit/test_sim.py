@@ -282,6 +282,12 @@ def test_sync_deployments_use_the_sync_service_measurement_and_borrow_async_s_wi
     assert sync.overhead_seconds_per_step == pytest.approx(0.005, rel=0.01)
     assert asynchronous.target_seconds_per_pass == pytest.approx(0.020, rel=0.01)
     assert asynchronous.overhead_seconds_per_step == pytest.approx(0.003, rel=0.01)
+    # A measured blocking Draft wait: sync's Draft round trips cost the table times its ratio.
+    serving["speculative_sync"]["draft_scale"] = [3.0, 3.0]
+    slow = simulate(profile(target=lambda b, t: 0.010, serving=serving), SimConfig(mode="sync", adaptive_block=False),
+                    workload)
+    assert slow.draft_wait_seconds_per_call == pytest.approx(3 * sync.draft_wait_seconds_per_call, rel=0.01)
+    assert sync.draft_wait_seconds_per_call > 0
     del serving["speculative_sync"]
     borrowed = simulate(profile(target=lambda b, t: 0.010, serving=serving), SimConfig(mode="sync", adaptive_block=False),
                         workload)
