@@ -108,8 +108,9 @@ class ServeRow:
     drafter_server_ms: float = 0.0
     """Mean time a replica spent on one round trip (its pass, parsing, queueing), measured."""
     trace: list[list[int]] = field(default_factory=list)
-    """[prompt tokens, output tokens] of each completed request, in the order they were sent:
-    the workload the simulator replays against this row (`specd.plan.compare`)."""
+    """[prompt tokens, output tokens, the prompt's index in the pool] of each completed request,
+    in the order they were sent: the workload the simulator replays against this row
+    (`specd.plan.compare`; the index picks the prompt's own verified blocks from the profile)."""
     drafter_cores: int = 0
     """Distinct CPU cores the drafters were pinned to (0: not pinned): 2:1 on a 2-core machine is
     two drafter processes on one core."""
@@ -147,8 +148,9 @@ def prompts(max_prompt_tokens: int = 96) -> list[list[int]]:
 
 def run_level(send: Callable[[list[int], int], Completion], pool: list[list[int]], concurrency: int,
               requests: int, max_tokens: int) -> tuple[list, float, list[str]]:
-    """A closed loop of ``concurrency`` clients sending ``requests`` requests in all; the
-    completions come back in the order they were sent."""
+    """A closed loop of ``concurrency`` clients sending ``requests`` requests in all (request i
+    sends ``pool[i % len(pool)]``); the completions come back in the order they were sent, each
+    with its prompt's index in the pool."""
     results, errors = [], []
     lock = threading.Lock()
     next_index = iter(range(requests))
@@ -161,6 +163,7 @@ def run_level(send: Callable[[list[int], int], Completion], pool: list[list[int]
                 return
             try:
                 result = send(pool[i % len(pool)], max_tokens)
+                result.prompt_index = i % len(pool)
                 with lock:
                     results.append((i, result))
             except (OSError, grpc.RpcError) as err:
@@ -300,7 +303,7 @@ def _row(deployment: Deployment, concurrency: int, results: list, seconds: float
         hit_rate=delta("specd:spec_decode_num_candidate_hits_total") / lookups if lookups else 0.0,
         blocking_drafter_calls=int(delta("specd:num_drafter_blocking_calls_total")),
         target_passes=int(delta("specd:num_target_passes_total")), errors=errors,
-        trace=[[r.prompt_tokens, r.completion_tokens] for r in results],
+        trace=[[r.prompt_tokens, r.completion_tokens, r.prompt_index] for r in results],
         drafter_round_trips=int(round_trips),
         transport_ms=1e3 * delta("specd:drafter_transport_seconds_total") / round_trips if round_trips else 0.0,
         drafter_server_ms=1e3 * delta("specd:drafter_server_seconds_total") / round_trips if round_trips else 0.0,

@@ -109,7 +109,7 @@ def measure_verifier_serving(target_dir: str, pool: list[list[int]], *, levels: 
                 calls = delta.get("specd:num_drafter_blocking_calls_total", 0.0)
                 out["draft_seconds"].append(blocking / calls if calls else 0.0)
             out["tokens_per_s"].append(sum(r.completion_tokens for r in results) / seconds)
-            out["trace"].append([[r.prompt_tokens, r.completion_tokens] for r in results])
+            out["trace"].append([[r.prompt_tokens, r.completion_tokens, r.prompt_index] for r in results])
             if progress is not None:
                 progress.update()
     return out

@@ -26,6 +26,8 @@ class Completion:
     ttft: float | None = None
     """Seconds to the first streamed text."""
     chunk_times: list[float] = field(default_factory=list)
+    prompt_index: int | None = None
+    """Where a load generator sent it: the prompt's index in its pool (`services.bench.run_level`)."""
 
 
 def _request(url: str, body: dict | None, token: str, timeout: float):

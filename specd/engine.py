@@ -155,8 +155,9 @@ class EngineStats:
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     num_drafts_per_pos: list[int] = field(default_factory=list)
-    block_samples: list[tuple[list[float], int]] | None = None
-    """When a list: every verified block's (confidence per position, accepted length) is appended
+    block_samples: list[tuple[list[float], int, int]] | None = None
+    """When a list: every verified block's (confidence per position, accepted length, sequence id —
+    the prompt's index in `SpeculativeEngine.generate`) is appended
     (`specd bench profile` keeps a sample for the simulator: which blocks get verified long, and
     how much of them is accepted, go together)."""
     confidence_sum_per_pos: list[float] = field(default_factory=list)
@@ -333,7 +334,8 @@ class SpeculativeEngine:
             if seq.block is not None and block:
                 self.stats.count_confidence(seq.block.confidence[: len(block)])
                 if self.stats.block_samples is not None:
-                    self.stats.block_samples.append((list(seq.block.confidence[: len(block)]), result.num_accepted))
+                    self.stats.block_samples.append(
+                        (list(seq.block.confidence[: len(block)]), result.num_accepted, seq.seq_id))
                 predicted = CostModel.expected_accepted(seq.block.confidence, len(block))
                 self.cost_model.observe_acceptance(predicted, result.num_accepted)
             outcome = (result.num_accepted, result.next_token)

@@ -214,12 +214,14 @@ def _speculate_seconds(drafter: Drafter, draft: Callable, contexts: dict[int, li
 
 
 @torch.no_grad()
-def _block_samples(samples: list[tuple[list[float], int]], block_size: int, keep: int = 512) -> dict:
-    """Up to ``keep`` full-length blocks' (confidence per position, accepted length), drawn evenly."""
-    full = [(c, k) for c, k in samples if len(c) == block_size]
+def _block_samples(samples: list[tuple[list[float], int, int]], block_size: int, keep: int = 4096) -> dict:
+    """Up to ``keep`` full-length blocks' (confidence per position, accepted length, prompt index),
+    drawn evenly."""
+    full = [sample for sample in samples if len(sample[0]) == block_size]
     step = max(1, len(full) // keep)
     chosen = full[::step][:keep]
-    return {"confidence": [[round(x, 4) for x in c] for c, _ in chosen], "accepted": [k for _, k in chosen]}
+    return {"confidence": [[round(x, 4) for x in c] for c, _, _ in chosen], "accepted": [k for _, k, _ in chosen],
+            "prompt": [p for _, _, p in chosen]}
 
 
 def measure_acceptance(target: nn.Module, drafter_model: nn.Module, prompts: list[list[int]], *, block_size: int,
@@ -278,13 +280,16 @@ class ProfileSettings:
     """Further blocks whose acceptance and hit rate go to ``by_block``."""
     acceptance_batches: tuple[int, ...] = (1, 8)
     """Engine runs (the last also gives acceptance); two give the overhead's per-sequence slope."""
-    prompts_per_domain: int = 4
+    prompts_per_domain: int = 64
+    """Held-out prompts per domain, interleaved as `specd bench serve` sends them: its first
+    ``4 x 64`` requests (all of them up to concurrency 64) are these prompts, and the block
+    samples record which prompt each came from, so the simulator replays each request's own."""
     max_prompt_tokens: int = 96
     max_tokens: int = 64
     rpc_seconds: float = 0.0005
     threads: int = 1
     rounds: int = 1
-    """Rounds of the verifier services' calibration (plain, then speculating, each round); per
+    """Rounds of the verifier services' calibration (plain, async, sync, each round); per
     level, the median round's figures (`median_rounds`): a slow minute on a shared machine moves
     one round, not the profile."""
 
@@ -456,11 +461,11 @@ def add_scales(bare, columns: dict, prompt_lengths, outputs, *, mode: str = "asy
     at the measured mean verified length (``tokens_per_row``), so the ratio is the pass's, not the
     block choice's; speculating, also ``draft_scale``, its mean wait for a blocking Draft over the
     simulator's in that replay."""
-    from specd.plan.sim import SimConfig, TraceRequest, Workload, simulate
+    from specd.plan.sim import SimConfig, Workload, replayed, simulate
 
     scales, drafts = [], []
     for i, (concurrency, trace) in enumerate(zip(columns["concurrency"], columns["trace"])):
-        requests = [TraceRequest(arrival_s=None, prompt_tokens=p, output_tokens=max(o, 1)) for p, o in trace]
+        requests = replayed(trace)
         if "tokens_per_row" in columns:
             block = max(1, round(columns["tokens_per_row"][i] - 1))
             config = SimConfig(mode=mode, drafters=1, block_size=block, adaptive_block=False, max_num_seqs=64)

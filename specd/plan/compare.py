@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from specd.plan.profile import Profile
-from specd.plan.sim import Lengths, SimConfig, TraceRequest, Workload, simulate
+from specd.plan.sim import Lengths, SimConfig, Workload, replayed, simulate
 
 _DEPLOYMENT = re.compile(r"^(sync|async) (\d+):(\d+)$")
 
@@ -114,9 +114,9 @@ def compare_serve(profile: Profile, serve: dict, *, seeds: int = 3, use_measured
         trace = None
         if row.get("trace"):
             # The run's own requests, in the order it sent them: greedy output is the same in every
-            # deployment (lossless), so the workload is an input here, not a result.
-            trace = [TraceRequest(arrival_s=None, prompt_tokens=int(p), output_tokens=max(int(o), 1))
-                     for p, o in row["trace"]]
+            # deployment (lossless), so the workload is an input here, not a result. Where the
+            # run recorded each request's prompt, its steps draw that prompt's verified blocks.
+            trace = replayed(row["trace"])
         results = []
         for seed in range(seeds):
             config.seed = seed

@@ -21,9 +21,11 @@ Schema (``version`` 1; fields marked * are required):
       "acceptance_per_pos"*: [0.8, 0.6, ...],   non-increasing, each in [0, 1]
       "confidence_per_pos": [0.9, 0.7, ...],   the drafter's mean confidence there (what the
                                            engine's cost model is shown); default: the acceptance
-      "block_samples": {"confidence": [[...block_size values], ...], "accepted": [k, ...]},
-                                           verified full blocks: the drafter's confidence per
-                                           position and the accepted length, together (optional)
+      "block_samples": {"confidence": [[...block_size values], ...], "accepted": [k, ...],
+                        "prompt": [i, ...]},   verified full blocks: the drafter's confidence per
+                                           position and the accepted length, together, and the
+                                           index of the prompt (optional) in the profile's prompts
+                                           (`specd bench serve`'s pool, in its order) (optional)
       "hit_rate"*: 0.6,                    P(a candidate was ready for the outcome), async mode
       "candidate_budget": 4,               outcomes drafted ahead per sequence when measured
       "by_block": {"4": {"acceptance_per_pos": [...], "hit_rate": 0.7}, ...},   optional
@@ -164,7 +166,10 @@ class Profile:
     sample_confidence: list[list[float]] = field(default_factory=list)
     """Verified full blocks at ``block_size``: the drafter's confidence per position ..."""
     sample_accepted: list[int] = field(default_factory=list)
-    """... and the accepted length of each (empty: no samples)."""
+    """... and the accepted length of each (empty: no samples) ..."""
+    sample_prompt: list[int] = field(default_factory=list)
+    """... and the index of the prompt it was decoding (empty: not recorded): acceptance is the
+    prompt's as much as the drafter's, so a replayed request that names its prompt draws its own."""
     group_sizes: list[int] = field(default_factory=list)
     """The drafter's mask-group sizes (empty: a group is exactly block + 1)."""
     candidate_budget: int = 4
@@ -261,7 +266,12 @@ def _samples(data: Any, block_size: int, fail) -> dict:
             raise fail("block_samples.confidence", f"each row must hold block_size ({block_size}) probabilities, got {row!r}")
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= block_size:
             raise fail("block_samples.accepted", f"each must be an integer in 0..{block_size}, got {k!r}")
-    return {"sample_confidence": [[float(x) for x in row] for row in confidence], "sample_accepted": list(accepted)}
+    prompt = data.get("prompt") or []
+    if not isinstance(prompt, list) or len(prompt) not in (0, len(accepted)) or not all(
+            isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in prompt):
+        raise fail("block_samples.prompt", "must be one prompt index (an integer >= 0) per sample, or absent")
+    return {"sample_confidence": [[float(x) for x in row] for row in confidence], "sample_accepted": list(accepted),
+            "sample_prompt": list(prompt)}
 
 
 class ProfileError(ValueError):

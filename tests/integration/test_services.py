@@ -234,6 +234,9 @@ def test_bench_profile_times_the_drafter_through_a_replica_and_the_verifier_in_s
     verifier = data["serving"]["verifier"]
     assert verifier["concurrency"] == [1, 4] and verifier["requests"] == [16, 16]
     assert [len(t) for t in verifier["trace"]] == [16, 16]  # (prompt, output) per request, replayed by the sim
+    # ... with the prompt's index in the pool, which names its verified blocks in the samples.
+    assert [entry[2] for entry in verifier["trace"][0]] == [i % len(pool) for i in range(16)]
+    assert set(data["block_samples"]["prompt"]) <= set(range(len(pool)))
     # One client: every pass has exactly one row. Four: never more than four.
     assert verifier["rows"][0] == pytest.approx(1.0) and 1.0 < verifier["rows"][1] <= 4.0
     assert all(s > 0 for s in verifier["target_scale"]) and all(s >= 0 for s in verifier["overhead_seconds"])

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from specd.plan.profile import parse_profile
-from specd.plan.sim import Lengths, SimConfig, TraceRequest, Workload, load_trace, simulate
+from specd.plan.profile import ProfileError, parse_profile
+from specd.plan.sim import Lengths, SimConfig, TraceRequest, Workload, load_trace, replayed, simulate
 
 
 def table(cost, batches=(1, 2, 4, 8, 16, 32, 64), tokens=(1, 16, 256, 2048)) -> dict:
@@ -250,6 +250,25 @@ def test_block_samples_let_the_cost_model_verify_long_only_where_the_drafter_is_
     # Good blocks: 9 tokens for a 9-token pass (11 ms); bad ones: 1 token for a 1-token pass (3 ms).
     assert joint.tokens_per_s == pytest.approx((9 + 1) / (0.011 + 0.003), rel=0.06)
     assert joint.tokens_per_s > 1.2 * mean.tokens_per_s
+
+
+def test_a_replayed_request_that_names_its_prompt_draws_that_prompt_s_blocks():
+    """Acceptance is the prompt's: with samples recorded per prompt, a trace of prompt 0 (whose
+    blocks are all accepted) commits 9 tokens a step and one of prompt 1 (none accepted) 1; a
+    trace that names no prompt draws from both."""
+    samples = {"confidence": [[0.9] * 8, [0.9] * 8] * 50, "accepted": [8, 0] * 50, "prompt": [0, 1] * 50}
+    prof = profile(acceptance=[0.5] * 8, block_samples=samples)
+    config = SimConfig(mode="sync", adaptive_block=False, max_num_seqs=4)
+
+    def run(prompt):
+        trace = replayed([[4, 64, prompt]] * 8 if prompt is not None else [[4, 64]] * 8)
+        return simulate(prof, config, Workload(requests=8, concurrency=4, trace=trace)).tau
+
+    easy, hard, either = run(0), run(1), run(None)
+    assert easy == pytest.approx(9.0, rel=0.05) and hard == pytest.approx(1.0)
+    assert hard < either < easy
+    with pytest.raises(ProfileError, match="block_samples.prompt"):
+        profile(block_samples={**samples, "prompt": [0]})
 
 
 def test_a_measured_speculating_service_prices_speculative_steps_and_plain_keeps_its_own():
