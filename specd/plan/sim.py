@@ -19,7 +19,7 @@ It models what the services do, step by step, with costs from a profile (`specd.
   ``serving.speculative_sync``: sync, else sync borrows async's), that service's pass ratio and
   overhead, and — sync — its blocking Draft calls cost the drafter table times that service's
   measured ratio (``draft_scale``: its wait for a Draft over the simulator's replay of the same
-  level). An async service's ratio is measured too (1.6x to 2.2x on the CPU machine, against
+  level). An async service's ratio is measured too (1.6x to 2.6x on the CPU machine, against
   about 1 for sync) but not applied: applying it took the async rows to 0.65x-1.06x of `specd
   bench serve` (0.94x-1.22x without), so that wait is spent somewhere the simulator already
   prices or does not model, an open question. Otherwise the engine's in-process line
