@@ -393,11 +393,11 @@ def measure_services(profile: dict, settings: ProfileSettings, target_dir: str, 
     over the simulator's mean pass for the same level (the same requests replayed in the same
     order by the same closed loop). ``serving.speculative`` is the same verifier speculating
     (async, one drafter replica): its step time outside the pass and its blocking drafter calls,
-    and its pass over the simulated pass with the block fixed at the measured mean (`add_scales`), and its blocking Draft wait over the simulated one;
-    ``serving.speculative_sync`` the same drafting synchronously — its core idles through a Draft
-    round trip before every pass, and a pass after an idle core costs more than one after a busy
-    one, so sync deployments get their own ratios. With ``settings.rounds`` the three run round
-    robin, each round starting its services afresh."""
+    and its pass over the simulated pass with the block fixed at the measured mean, and its
+    blocking Draft wait over the simulated one (`add_scales`); ``serving.speculative_sync`` the
+    same drafting synchronously — its step waits for a Draft round trip before every pass, and
+    its ratios differ from async's, so sync deployments get their own. With ``settings.rounds``
+    the three run round robin, each round starting its services afresh."""
     from services import calibrate  # the services need gRPC & co.; the in-process part does not
     from specd.plan.sim import Lengths
 
@@ -412,6 +412,7 @@ def measure_services(profile: dict, settings: ProfileSettings, target_dir: str, 
             for mode in modes:  # round robin: a slow minute lands on one round of each mode
                 rounds[mode].append(calibrate.measure_verifier_serving(
                     target_dir, prompts, levels=levels, max_tokens=settings.max_tokens, progress=progress,
+                    # plain: no drafter (the mode then means nothing; the default stands in)
                     drafter_dir="" if mode == "plain" else drafter_dir, mode="async" if mode == "plain" else mode))
     verifier, speculating, synchronous = (median_rounds(rounds[mode]) for mode in modes)
     profile["drafter_pass"] = {k: profile["drafter"][k] for k in ("batch", "tokens", "seconds")}

@@ -23,9 +23,9 @@ Schema (``version`` 1; fields marked * are required):
                                            engine's cost model is shown); default: the acceptance
       "block_samples": {"confidence": [[...block_size values], ...], "accepted": [k, ...],
                         "prompt": [i, ...]},   verified full blocks: the drafter's confidence per
-                                           position and the accepted length, together, and the
-                                           index of the prompt (optional) in the profile's prompts
-                                           (`specd bench serve`'s pool, in its order) (optional)
+                                           position and the accepted length, together, and
+                                           (optional) the index of the prompt in the profile's
+                                           prompts (`specd bench serve`'s pool, in its order)
       "hit_rate"*: 0.6,                    P(a candidate was ready for the outcome), async mode
       "candidate_budget": 4,               outcomes drafted ahead per sequence when measured
       "by_block": {"4": {"acceptance_per_pos": [...], "hit_rate": 0.7}, ...},   optional
@@ -44,7 +44,8 @@ Schema (``version`` 1; fields marked * are required):
                                            verifier speculating (async) with a drafter replica
                                            (step time outside its pass and its blocking drafter
                                            calls), and its blocking Draft wait over the table's
-                  "speculative_sync": {same columns}},   optional: the same drafting synchronously
+                  "speculative_sync": {same columns, "draft_scale": [...]}},   optional: the
+                                           same drafting synchronously
       "workload": {"prompt_tokens": [...], "output_tokens": [...], "max_tokens": 64}   optional
       "tensor_parallel": {"2": {"pass_scale": 0.56}, ...}   optional: a verifier of N ranks'
                                            target pass over the target table's (which is one
