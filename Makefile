@@ -1,7 +1,8 @@
 # specd: the README's two commands do all set-up themselves.
-#   make demo   build the tiny zoo if missing, generate from the tiny target, then start the services
-#               (Redis, a D3D drafter, a verifier, a plain verifier) and stream a chat completion
-#               through the OpenAI-compatible HTTP API: tau, hit rate and tokens/s vs plain decoding
+#   make demo   build the zoo if missing, answer a chat with SmolLM2-135M, serve it and stream a chat
+#               completion through the OpenAI-compatible HTTP API, then start the speculative stack on
+#               the tiny zoo (Redis, a D3D drafter, a verifier, a plain verifier): tau, hit rate and
+#               tokens/s vs plain decoding
 #   make test   the whole test suite (unit, integration; builds and caches the zoo once)
 
 PYTHON ?= python3
@@ -33,11 +34,16 @@ redis:
 zoo: setup
 	$(BIN)/specd zoo build
 
-demo: zoo
+# The demo builds only what it shows (SmolLM2, the tiny target and its D3D drafter), not the
+# hybrid targets the tests also use.
+demo: setup
+	$(BIN)/specd zoo build --only smollm2-135m
+	$(BIN)/specd zoo build --only d3d-qwen3-tiny
 	$(BIN)/specd zoo list
-	$(BIN)/specd generate --model "$$($(BIN)/specd zoo path qwen3-tiny)" \
-	  --prompt "def parse_header(line):" --max-tokens 48
+	$(BIN)/specd generate --model smollm2-135m --chat --max-tokens 64 \
+	  --prompt "Write a Python function that parses an HTTP header line into a name and a value."
 	$(BIN)/specd up --demo
+	$(BIN)/specd up --demo --target qwen3-tiny
 
 # Regenerate specd/_proto/v1 from proto/specd/v1 (a test fails when the checked-in stubs are stale).
 proto: $(VENV)/.installed

@@ -140,7 +140,7 @@ def prompts(max_prompt_tokens: int = 96) -> list[list[int]]:
     from specd import zoo
     from specd.data import load_tokenizer
 
-    tokenizer = load_tokenizer(zoo.tokenizer_dir())
+    tokenizer = load_tokenizer(zoo.tokenizer_dir(), zoo=True)
     per_domain = [[tokenizer.encode(item.prompt).ids[-max_prompt_tokens:] for item in items]
                   for items in zoo.heldout().values()]
     return [p for group in zip(*per_domain) for p in group]

@@ -3,8 +3,22 @@
 `Stack` starts Redis (its own ``redis-server`` on a free port unless a URL is given), the trainer,
 N drafter replicas and M verifiers, each as its own process with the zoo's models (or given
 directories), waits until every one is healthy, and stops them all cleanly: SIGTERM in the order
-traffic flows (verifiers drain first, then drafters, trainer, Redis), SIGKILL only for a process
-that outlives its drain. Integration tests and `specd bench serve` use the same class.
+traffic flows (verifiers drain first, then drafters, trainer, Redis; a tier at a time), SIGKILL
+only for a process that outlives its drain. Integration tests and `specd bench serve` use the same
+class.
+
+**Supervision** (``StackConfig.restart``; `specd up` turns it on). One thread per service watches
+its process. When one exits while the stack is not stopping (a crash, the OOM killer, ``kill -9``,
+even a clean exit nobody asked for), it is reported with its exit code and the tail of its log,
+and started again with the same command line after a backoff: ``restart_delay``, doubled for each
+further exit within `STABLE_SECONDS` of a start, capped at ``max_restart_delay``. A service that
+keeps dying right after it starts is reported (with its log) each time, never given up on. The
+same ports mean nothing has to be told: a verifier's drafter pool fails over to the live replicas
+meanwhile (or decodes plain; the output is the same either way) and takes the restarted one back
+once its Info answers; Redis comes back on its port, empty (nothing is persisted). Only `stop`
+(Ctrl-C, SIGTERM) ends the stack. A service that does not start the first time fails `start`
+instead: that is a configuration to fix, not a crash to ride out. Off by default: a benchmark
+wants a dead service to stay dead rather than skew what it measures.
 
 Default ports, each overridable: verifier HTTP 8000 (+i for verifier i), verifier gRPC 50051
 (further verifiers 50071, 50072, ...), drafters from 50052, trainer 50060; plain-decoding
@@ -21,6 +35,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -28,6 +43,14 @@ from pathlib import Path
 
 from services.common.config import ServiceConfig
 from services.common.server import open_channel, wait_healthy
+
+STABLE_SECONDS = 60.0
+"""A service that ran this long before it exited was not crash-looping: its backoff starts over."""
+STOP_MARGIN_SECONDS = 10.0
+"""What `Stack.stop` allows each tier beyond ``drain_seconds`` before SIGKILL: the service's own
+``on_drain`` (the trainer's last step and checkpoint) and the interpreter's exit."""
+_STOP_ORDER = {"verifier": 0, "plain": 0, "drafter": 1, "trainer": 2, "redis": 3}
+"""The tiers `Stack.stop` signals one after the other: drafters serve while verifiers drain."""
 
 
 def free_port() -> int:
@@ -60,22 +83,47 @@ class StackConfig:
     max_num_seqs: int = 16
     pin: bool = False
     """Pin each process to its own core (when there are enough cores)."""
+    drain_seconds: float = 10.0
+    """How long each service may finish its in-flight calls after SIGTERM (its ``--drain-seconds``);
+    `Stack.stop` waits that plus `STOP_MARGIN_SECONDS` per tier before SIGKILL."""
+    restart: bool = False
+    """Supervise: restart any service that exits until `Stack.stop` (module docstring)."""
+    restart_delay: float = 1.0
+    """Seconds before restarting a service that exited; doubled for each further exit within
+    `STABLE_SECONDS` of its last start."""
+    max_restart_delay: float = 30.0
+    """The longest backoff between two restarts of one service."""
     verifier_args: list[str] = field(default_factory=list)
     drafter_args: list[str] = field(default_factory=list)
     trainer_args: list[str] = field(default_factory=list)
     workdir: str = ""
     """Where logs and trainer checkpoints go ("" = a fresh temporary directory)."""
 
+    def __post_init__(self) -> None:
+        if self.drain_seconds < 0:
+            raise ValueError(f"drain_seconds must be >= 0, got {self.drain_seconds}")
+        if not 0 <= self.restart_delay <= self.max_restart_delay:
+            raise ValueError(f"need 0 <= restart_delay <= max_restart_delay, got {self.restart_delay} and "
+                             f"{self.max_restart_delay}")
+
 
 @dataclass(kw_only=True)
 class Service:
     name: str
     process: subprocess.Popen
+    """The running process (a new one after each restart)."""
+    command: list[str] = field(default_factory=list)
+    """What (re)starts it."""
+    env: dict[str, str] | None = None
     grpc: str = ""
     http: str = ""
     log: Path | None = None
     core: int | None = None
     """The CPU core it is pinned to (None: not pinned)."""
+    started_at: float = 0.0
+    """time.monotonic() of the process's start."""
+    restarts: int = 0
+    """Times the supervisor has started it again."""
 
 
 class StackError(RuntimeError):
@@ -94,21 +142,38 @@ class Stack:
         self._cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         self._next_core = 0
         self._shared_from = 0  # cores before this index are dedicated to verifiers
+        self._client = ServiceConfig(auth_token=config.auth_token)
+        self._start_timeout = 180.0
+        self._redis_port = 0  # the one we started (its restarts come back on it)
+        # Held while a process is launched, and by `stop` when it sets _stopping: once that is
+        # set no supervisor starts anything, so `stop` sees every process there will be.
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._supervisors: list[threading.Thread] = []
 
     # ------------------------------------------------------------------ start
     def start(self, timeout: float = 180.0) -> "Stack":
+        """Start every service and wait until each is healthy (``timeout`` seconds in all, and for
+        each restart); then supervise them if ``config.restart``. StackError when one does not start."""
+        self._start_timeout = timeout
         try:
             self._start(timeout)
         except BaseException:
             self.stop()
             raise
+        if self.config.restart:
+            for service in self.services:
+                thread = threading.Thread(target=self._supervise, args=(service,), name=f"supervise-{service.name}",
+                                          daemon=True)
+                thread.start()
+                self._supervisors.append(thread)
         return self
 
     def _start(self, timeout: float) -> None:
         c = self.config
         if not self.redis_url:
             self._start_redis()
-        client = ServiceConfig(auth_token=c.auth_token)
+        drain = ["--drain-seconds", str(c.drain_seconds)]
         verifier_ports = [(c.verifier_grpc_port if i == 0 else c.verifier_grpc_port + 19 + i,
                            c.verifier_http_port + i) for i in range(c.verifiers)]
         drafter_addresses = []
@@ -120,7 +185,7 @@ class Stack:
             for i in range(c.drafters):
                 port = c.drafter_port + i
                 address = f"{c.host}:{port}"
-                args = ["--model", c.drafter, "--port", str(port), "--host", c.host, *c.drafter_args]
+                args = ["--model", c.drafter, "--port", str(port), "--host", c.host, *drain, *c.drafter_args]
                 if c.trainer:
                     args += ["--trainer", f"{c.host}:{c.trainer_port}", "--redis-url", self.redis_url]
                 self._spawn(f"drafter-{i}", "services.drafter", args, grpc=address)
@@ -129,24 +194,24 @@ class Stack:
             args = ["--model", c.target, "--port", str(grpc_port), "--host", c.host,
                     "--http-port", str(http_port), "--http-host", c.host, "--redis-url", self.redis_url,
                     "--drafters", ",".join(drafter_addresses), "--block-size", str(c.block_size),
-                    "--mode", c.mode, "--max-num-seqs", str(c.max_num_seqs), *c.verifier_args]
+                    "--mode", c.mode, "--max-num-seqs", str(c.max_num_seqs), *drain, *c.verifier_args]
             self._spawn(f"verifier-{i}", "services.verifier", args, grpc=f"{c.host}:{grpc_port}",
                         http=f"http://{c.host}:{http_port}", core=cores[("verifier", i)])
         for i in range(c.plain_verifiers):
             grpc_port, http_port = c.verifier_grpc_port + 30 + i, c.verifier_http_port + 100 + i
             args = ["--model", c.target, "--port", str(grpc_port), "--host", c.host, "--http-port", str(http_port),
-                    "--http-host", c.host, "--max-num-seqs", str(c.max_num_seqs), *c.verifier_args]
+                    "--http-host", c.host, "--max-num-seqs", str(c.max_num_seqs), *drain, *c.verifier_args]
             self._spawn(f"plain-{i}", "services.verifier", args, grpc=f"{c.host}:{grpc_port}",
                         http=f"http://{c.host}:{http_port}")
         if c.trainer and c.drafter:
             args = ["--port", str(c.trainer_port), "--host", c.host, "--redis-url", self.redis_url,
                     "--drafter", c.drafter, "--verifiers", ",".join(s.grpc for s in self.verifiers),
                     "--checkpoint-dir", str(self.workdir / "trainer"), "--block-size", str(c.block_size),
-                    "--stop-token-ids", ",".join(map(str, _stop_token_ids(c.target))), *c.trainer_args]
+                    "--stop-token-ids", ",".join(map(str, _stop_token_ids(c.target))), *drain, *c.trainer_args]
             self._spawn("trainer", "services.trainer", args, grpc=f"{c.host}:{c.trainer_port}")
         deadline = time.monotonic() + timeout
         for service in self.services:
-            self._wait(service, client, deadline)
+            self._wait(service, deadline)
 
     def _core(self) -> int | None:
         """The next core to pin to: verifiers take one each first; the others cycle over the rest."""
@@ -162,60 +227,104 @@ class Stack:
         if binary is None:
             raise StackError("redis-server is not installed: run `make setup` (it installs it) or pass --redis-url")
         port = free_port()
-        log = self.workdir / "redis.log"
-        process = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=log.open("w"), stderr=subprocess.STDOUT,
-        )
-        self.services.append(Service(name="redis", process=process, log=log))
+        # A restart reuses this command line, so Redis comes back on the port everyone was given.
+        command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        self._add("redis", command)
+        self._redis_port = port
         self.redis_url = f"redis://127.0.0.1:{port}/0"
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise StackError(f"redis-server did not start on port {port}: {_tail(log)}")
+        self._wait(self.services[-1], time.monotonic() + 10)
 
     def _spawn(self, name: str, module: str, args: list[str], *, grpc: str = "", http: str = "",
                core: int | None = None) -> Service:
-        log = self.workdir / f"{name}.log"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "SPECD_AUTH_TOKEN": self.config.auth_token,
                "PYTHONUNBUFFERED": "1"}
-        if core is None:
-            core = self._core()
-        process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log.open("w"),
-                                   stderr=subprocess.STDOUT, env=env)
-        if core is not None:
-            os.sched_setaffinity(process.pid, {core})
-        service = Service(name=name, process=process, grpc=grpc, http=http, log=log, core=core)
+        return self._add(name, [sys.executable, "-m", module, *args], env=env, grpc=grpc, http=http,
+                         core=self._core() if core is None else core)
+
+    def _add(self, name: str, command: list[str], *, env: dict[str, str] | None = None, grpc: str = "",
+             http: str = "", core: int | None = None) -> Service:
+        log = self.workdir / f"{name}.log"
+        log.write_text("")
+        service = Service(name=name, process=self._popen(command, env, log, core), command=command, env=env,
+                          grpc=grpc, http=http, log=log, core=core, started_at=time.monotonic())
         self.services.append(service)
         return service
 
-    def _wait(self, service: Service, client: ServiceConfig, deadline: float) -> None:
-        if not service.grpc:
-            return
+    @staticmethod
+    def _popen(command: list[str], env: dict[str, str] | None, log: Path, core: int | None) -> subprocess.Popen:
+        # Its own process group: Ctrl-C in the terminal reaches `specd up` alone, which then stops
+        # the services in traffic order instead of all of them draining at once.
+        with log.open("a") as out:
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, process_group=0)
+        if core is not None:
+            os.sched_setaffinity(process.pid, {core})
+        return process
+
+    def _wait(self, service: Service, deadline: float) -> None:
+        """Until ``service`` is healthy: its gRPC health says SERVING and its HTTP /health answers
+        200 (Redis: it accepts connections). StackError when it exits, the deadline passes or the
+        stack is stopping."""
+        grpc_ready = not service.grpc
         while True:
             if service.process.poll() is not None:
-                raise StackError(f"{service.name} exited with {service.process.returncode}: {_tail(service.log)}")
-            try:
-                wait_healthy(service.grpc, client, timeout=min(2.0, max(0.1, deadline - time.monotonic())))
-                break
-            except TimeoutError:
-                if time.monotonic() > deadline:
-                    raise StackError(f"{service.name} was not healthy in time: {_tail(service.log)}") from None
-        if service.http:
-            while True:
-                try:
-                    with urllib.request.urlopen(f"{service.http}/health", timeout=2) as response:
-                        if response.status == 200:
-                            return
-                except OSError:
+                raise StackError(f"{service.name} exited with {_exit_status(service.process.returncode)}: "
+                                 f"{_tail(service.log)}")
+            if self._stopping.is_set():
+                raise StackError(f"{service.name}: the stack is stopping")
+            if not grpc_ready:
+                try:  # returns as soon as health says SERVING
+                    wait_healthy(service.grpc, self._client, timeout=min(2.0, max(0.1, deadline - time.monotonic())))
+                    grpc_ready = True
+                except TimeoutError:
                     pass
-                if time.monotonic() > deadline:
-                    raise StackError(f"{service.name}'s HTTP API was not healthy in time: {_tail(service.log)}")
-                time.sleep(0.1)
+            elif (service.name == "redis" and not _accepts(self._redis_port)) or (
+                    service.http and not _http_healthy(service.http)):
+                time.sleep(0.05)
+            else:
+                return
+            if time.monotonic() > deadline:
+                what = "'s HTTP API" if grpc_ready and service.http else ""
+                raise StackError(f"{service.name}{what} was not healthy in time: {_tail(service.log)}")
+
+    # ------------------------------------------------------------------ supervise
+    def _supervise(self, service: Service) -> None:
+        """Restart ``service`` each time its process exits, with backoff, until `stop` (module docstring)."""
+        crashes = 0  # exits in a row, each within STABLE_SECONDS of a start
+        while True:
+            while service.process.poll() is None:
+                if self._stopping.wait(0.2):
+                    return
+            if self._stopping.is_set():
+                return
+            lived = time.monotonic() - service.started_at
+            crashes = crashes + 1 if lived < STABLE_SECONDS else 1
+            delay = min(self.config.restart_delay * 2 ** min(crashes - 1, 20), self.config.max_restart_delay)
+            again = f" ({crashes} exits in a row, each within {STABLE_SECONDS:.0f}s of a start)" if crashes > 1 else ""
+            _report(f"{service.name} exited with {_exit_status(service.process.returncode)} after {lived:.1f}s; "
+                    f"restart {service.restarts + 1} in {delay:.1f}s{again}. The end of its log:{_tail(service.log)}")
+            if self._stopping.wait(delay) or not self._relaunch(service):
+                return
+            try:
+                self._wait(service, time.monotonic() + self._start_timeout)
+            except StackError as err:
+                if service.process.poll() is None and not self._stopping.is_set():
+                    _report(f"{err}; killing it to start it again")
+                    service.process.kill()
+                continue  # an exit is reported (with the log) at the top
+            _report(f"{service.name} is back: pid {service.process.pid}, healthy "
+                    f"{time.monotonic() - service.started_at:.1f}s after restart {service.restarts}")
+
+    def _relaunch(self, service: Service) -> bool:
+        """Start ``service``'s command again (False, starting nothing, once the stack is stopping)."""
+        with self._lock:
+            if self._stopping.is_set():
+                return False
+            with service.log.open("a") as out:
+                out.write(f"\n----- specd up: restart {service.restarts + 1} of {service.name} -----\n")
+            service.process = self._popen(service.command, service.env, service.log, service.core)
+            service.started_at = time.monotonic()
+            service.restarts += 1
+        return True
 
     # ------------------------------------------------------------------ use
     def _named(self, prefix: str) -> list[Service]:
@@ -256,10 +365,9 @@ class Stack:
 
         if not self.drafters:
             return
-        client = ServiceConfig(auth_token=self.config.auth_token)
         deadline = time.monotonic() + timeout
         for verifier in self.verifiers:
-            channel = open_channel(verifier.grpc, client)
+            channel = open_channel(verifier.grpc, self._client)
             stub = verifier_pb2_grpc.VerifierStub(channel)
             request = verifier_pb2.GenerateRequest(prompt_token_ids=[1, 1, 1],
                                                    params=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True))
@@ -274,23 +382,34 @@ class Stack:
                 channel.close()
 
     def kill(self, name: str) -> None:
-        """For fault tests: SIGKILL one service."""
+        """For fault tests: SIGKILL one service (supervised, it is restarted)."""
         service = next(s for s in self.services if s.name == name)
         service.process.kill()
         service.process.wait()
 
     # ------------------------------------------------------------------ stop
-    def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM in traffic order (verifiers, drafters, trainer, Redis); SIGKILL stragglers."""
-        order = {"verifier": 0, "plain": 0, "drafter": 1, "trainer": 2, "redis": 3}
-        for service in sorted(self.services, key=lambda s: order[s.name.split("-")[0]]):
-            if service.process.poll() is None:
-                service.process.send_signal(signal.SIGTERM)
+    def stop(self, timeout: float | None = None) -> None:
+        """End supervision, then SIGTERM a tier at a time in traffic order (verifiers, drafters,
+        trainer, Redis) and SIGKILL what outlives ``timeout`` seconds per tier (default
+        ``drain_seconds`` + `STOP_MARGIN_SECONDS`). A service in its restart backoff stays down;
+        one still starting gets the SIGTERM like the rest."""
+        with self._lock:  # after this, no supervisor launches anything
+            self._stopping.set()
+        timeout = self.config.drain_seconds + STOP_MARGIN_SECONDS if timeout is None else timeout
+        for tier in sorted(set(_STOP_ORDER.values())):
+            running = [s.process for s in self.services
+                       if _STOP_ORDER[s.name.split("-")[0]] == tier and s.process.poll() is None]
+            for process in running:
+                process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for process in running:
                 try:
-                    service.process.wait(timeout)
+                    process.wait(max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    service.process.kill()
-                    service.process.wait()
+                    process.kill()
+                    process.wait()
+        for thread in self._supervisors:  # each notices _stopping within one health poll
+            thread.join(timeout=5.0)
 
     def __enter__(self) -> "Stack":
         return self.start()
@@ -314,14 +433,52 @@ def _tail(log: Path | None, lines: int = 15) -> str:
     return "\n" + "\n".join(text[-lines:]) + f"\n(full log: {log})"
 
 
+def _exit_status(code: int) -> str:
+    """A Popen returncode as a person reads it: -9 is "-9 (SIGKILL)"."""
+    if code >= 0:
+        return str(code)
+    try:
+        return f"{code} ({signal.Signals(-code).name})"
+    except ValueError:
+        return str(code)
+
+
+def _http_healthy(base_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{base_url}/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def _accepts(port: int) -> bool:
+    """Whether something listens on loopback ``port`` (Redis' readiness)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+def _report(message: str) -> None:
+    print(f"specd up: {message}", file=sys.stderr, flush=True)
+
+
 # ---------------------------------------------------------------------- the command
+DEFAULT_TARGET = "smollm2-135m"
+"""What `specd up` serves by default: the zoo's real pretrained model."""
 DEMO_PROMPT = ("A shop sells pens for 3 dollars each. Ana buys 7 pens and pays with a 50 dollar note. "
                "How much change does she get?")
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""What stops `specd up`: Ctrl-C, a process manager's SIGTERM, the terminal going away."""
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--target", default="", help="target model directory (default: the zoo's qwen3-tiny)")
-    parser.add_argument("--drafter", default="", help="D3D drafter directory (default: the zoo's d3d-qwen3-tiny)")
+    parser.add_argument("--target", default=DEFAULT_TARGET,
+                        help=f"target model: a directory or a zoo name (default: {DEFAULT_TARGET}; qwen3-tiny for the tiny zoo)")
+    parser.add_argument("--drafter", default="",
+                        help="D3D drafter: a directory or a zoo name (default: the zoo's d3d-TARGET where the zoo has one, "
+                             "else none: plain decoding)")
     parser.add_argument("--drafters", type=int, default=1, help="drafter replicas")
     parser.add_argument("--verifiers", type=int, default=1, help="verifier replicas")
     parser.add_argument("--no-trainer", action="store_true", help="no online distillation")
@@ -335,59 +492,98 @@ def add_arguments(parser) -> None:
     parser.add_argument("--auth-token", default="", help="bearer token every service requires")
     parser.add_argument("--pin", action="store_true", help="pin each service to its own core where possible")
     parser.add_argument("--workdir", default="", help="logs and trainer checkpoints (default: a temporary directory)")
+    parser.add_argument("--drain-seconds", type=float, default=10.0,
+                        help="how long each service finishes in-flight calls when the stack stops")
+    parser.add_argument("--restart-delay", type=float, default=1.0,
+                        help="seconds before restarting a service that died; doubled for each crash right after a start")
+    parser.add_argument("--max-restart-delay", type=float, default=30.0, help="the longest restart backoff")
     parser.add_argument("--demo", action="store_true",
                         help="stream one chat completion through the HTTP API, compare with plain decoding, stop")
 
 
 def _interrupt(signum, frame) -> None:
+    _ignore_stop_signals()  # a second signal must not cut the drain short
     raise KeyboardInterrupt
 
 
+def _ignore_stop_signals() -> None:
+    for signum in _STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def _zoo_model(name: str) -> str:
+    """A directory as it is, or a zoo model's directory (it must be built)."""
     from specd import zoo
 
+    if Path(name).exists() or name not in {m.name for m in zoo.MODELS}:
+        return name
     if not zoo.is_built(name):
         raise StackError(f"zoo model {name!r} is not built: run `specd zoo build` (or pass a directory)")
     return str(zoo.model_path(name))
 
 
+def _default_drafter(target: str) -> str:
+    """The zoo's D3D drafter for a zoo target where it is built; "" (plain decoding) otherwise,
+    with a hint where the zoo can build one (SmolLM2's is on demand: it takes minutes to train)."""
+    from specd import zoo
+
+    name = f"d3d-{Path(target).name}"
+    if name not in {m.name for m in zoo.MODELS}:
+        return ""
+    if not zoo.is_built(name):
+        print(f"specd up: the zoo's drafter {name} is not built, so the verifiers decode plain; "
+              f"`specd zoo build --only {name}` builds it", file=sys.stderr)
+        return ""
+    return str(zoo.model_path(name))
+
+
 def run(args) -> int:
+    """`specd up`: start the stack, supervise it (a service that dies is restarted) until Ctrl-C,
+    SIGTERM or SIGHUP, then stop it; 0 after a stop, 1 when it did not start."""
+    try:
+        target = _zoo_model(args.target or DEFAULT_TARGET)
+        drafter = _zoo_model(args.drafter) if args.drafter else _default_drafter(target)
+    except StackError as err:
+        print(f"specd up: {err}", file=sys.stderr)
+        return 1
     config = StackConfig(
-        target=args.target or _zoo_model("qwen3-tiny"), drafter=args.drafter or _zoo_model("d3d-qwen3-tiny"),
+        target=target, drafter=drafter,
         drafters=args.drafters, verifiers=args.verifiers, trainer=not args.no_trainer,
         redis_url=args.redis_url, verifier_http_port=args.http_port, verifier_grpc_port=args.grpc_port,
         drafter_port=args.drafter_port, trainer_port=args.trainer_port, block_size=args.block_size,
         mode=args.mode, auth_token=args.auth_token, pin=args.pin or args.demo, workdir=args.workdir,
-        plain_verifiers=1 if args.demo else 0,
+        plain_verifiers=1 if args.demo and drafter else 0, drain_seconds=args.drain_seconds, restart=True,
+        restart_delay=args.restart_delay, max_restart_delay=args.max_restart_delay,
     )
     stack = Stack(config)
-    print(f"starting redis, {'trainer, ' if config.trainer else ''}{config.drafters} drafter(s), "
-          f"{config.verifiers} verifier(s) ... (logs in {stack.workdir})", flush=True)
+    drafting = (f"{'trainer, ' if config.trainer else ''}{config.drafters} drafter(s), " if drafter
+                else "no drafter for this target (plain decoding), ")
+    print(f"starting redis, {drafting}{config.verifiers} verifier(s) of {Path(target).name} ... "
+          f"(logs in {stack.workdir})", flush=True)
+    # From the first child on, a stop signal stops the stack (while starting, too: no orphans).
+    for signum in _STOP_SIGNALS:
+        signal.signal(signum, _interrupt)
     try:
         stack.start()
-    except StackError as err:
-        print(f"specd up: {err}", file=sys.stderr)
-        return 1
-    try:
         for name, endpoint in stack.endpoints():
             print(f"  {name:<12} {endpoint}")
         if args.demo:
             return _demo(stack, args.auth_token)
-        print("serving; Ctrl-C stops everything", flush=True)
-        signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the stack like Ctrl-C
+        print("serving (a service that dies is restarted); Ctrl-C stops everything", flush=True)
         while True:
-            for service in stack.services:
-                if service.process.poll() is not None:
-                    print(f"specd up: {service.name} exited with {service.process.returncode}: {_tail(service.log)}",
-                          file=sys.stderr)
-                    return 1
-            time.sleep(1.0)
+            # The supervisor's threads do the work; a stop signal raises KeyboardInterrupt here. Not
+            # signal.pause(): the kernel may deliver the signal to a busy supervisor thread, and
+            # pause() in the main thread then never returns to run the handler (seen: SIGTERM
+            # during a restart was never acted on). A short sleep runs it within half a second.
+            time.sleep(0.5)
+    except StackError as err:
+        print(f"specd up: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 0
     finally:
+        _ignore_stop_signals()
         print("stopping ...", flush=True)
-        for signum in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the drain short
-            signal.signal(signum, signal.SIG_IGN)
         stack.stop()
 
 
@@ -396,6 +592,16 @@ def _demo(stack: Stack, token: str) -> int:
 
     body = {"model": Path(stack.config.target).name, "max_tokens": 96, "temperature": 0,
             "messages": [{"role": "user", "content": DEMO_PROMPT}]}
+    if not stack.plain:  # no drafter: one plain verifier, nothing to compare with
+        url = stack.verifiers[0].http
+        stream_completion(url, "/v1/chat/completions", {**body, "max_tokens": 4}, token=token)  # warm up
+        print(f"\nuser: {DEMO_PROMPT}\nassistant ({body['model']}, plain decoding): ", end="", flush=True)
+        result = stream_completion(url, "/v1/chat/completions", body, token=token,
+                                   on_text=lambda text: print(text, end="", flush=True))
+        rate = result.completion_tokens / result.seconds if result.seconds else 0.0
+        print(f"\n\n{result.completion_tokens} tokens in {result.seconds:.2f} s ({rate:.1f} tok/s) through the "
+              f"OpenAI-compatible API; `specd up --demo --target qwen3-tiny` shows speculative decoding")
+        return 0
     speculative, plain = stack.verifiers[0].http, stack.plain[0].http
     stream_completion(plain, "/v1/chat/completions", {**body, "max_tokens": 4}, token=token)  # warm up both
     stream_completion(speculative, "/v1/chat/completions", {**body, "max_tokens": 4}, token=token)

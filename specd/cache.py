@@ -50,6 +50,22 @@ class KVCache:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths = torch.zeros(num_seqs, dtype=torch.long, device=device)  # [num_seqs]
+        self._writes: tuple | None = None  # (batch, slices or None, index tensors): `_plan` of the pass
+
+    SLICE_ROWS = 4
+    """Up to this many sequences, a pass writes its keys with a slice copy per sequence; more take
+    one index_put (fewer ops then, for the same bytes)."""
+
+    def _plan(self, batch: ForwardBatch) -> tuple:
+        """Where the pass's new keys go, worked out once per pass rather than once per layer."""
+        if batch.num_seqs <= self.SLICE_ROWS:
+            starts, counts = batch.cache_lens.tolist(), batch.num_new.tolist()
+            plan = (batch, list(zip(starts, counts)), None)
+        else:
+            seq_index, new_index = (batch.write_slots >= 0).nonzero(as_tuple=True)
+            plan = (batch, None, (seq_index, new_index, batch.write_slots[seq_index, new_index]))
+        self._writes = plan
+        return plan
 
     @property
     def capacity(self) -> int:
@@ -60,6 +76,10 @@ class KVCache:
         if num_slots <= self.capacity:
             return
         new_capacity = max(num_slots, 2 * self.capacity)
+        with torch.inference_mode(False):  # normal tensors even inside a pass run in inference mode
+            self._grow(new_capacity)
+
+    def _grow(self, new_capacity: int) -> None:
         for store in (self.keys, self.values):
             for i, old in enumerate(store):
                 grown = old.new_zeros(old.shape[0], old.shape[1], new_capacity, old.shape[3])
@@ -77,13 +97,17 @@ class KVCache:
         num_slots = batch.mask.shape[-1]
         if batch.scratch_slot >= 0:
             return self._update_static(layer, keys, values, batch)
-        real = batch.write_slots >= 0  # [num_seqs, max_new]
-        seq_index, new_index = real.nonzero(as_tuple=True)
-        slot_index = batch.write_slots[seq_index, new_index]
         cache_k, cache_v = self.keys[layer], self.values[layer]
-        # Advanced indexing puts the indexed dims first: [num_real, num_kv_heads, head_dim].
-        cache_k[seq_index, :, slot_index] = keys[seq_index, :, new_index].to(cache_k.dtype)
-        cache_v[seq_index, :, slot_index] = values[seq_index, :, new_index].to(cache_v.dtype)
+        writes = self._writes if self._writes is not None and self._writes[0] is batch else self._plan(batch)
+        if writes[1] is not None:  # a few sequences: one slice copy each (new token j -> slot cache_len + j)
+            for b, (start, count) in enumerate(writes[1]):
+                cache_k[b, :, start : start + count] = keys[b, :, :count]
+                cache_v[b, :, start : start + count] = values[b, :, :count]
+        else:
+            seq_index, new_index, slot_index = writes[2]
+            # Advanced indexing puts the indexed dims first: [num_real, num_kv_heads, head_dim].
+            cache_k[seq_index, :, slot_index] = keys[seq_index, :, new_index].to(cache_k.dtype)
+            cache_v[seq_index, :, slot_index] = values[seq_index, :, new_index].to(cache_v.dtype)
         rows = batch.num_seqs  # the batch covers the first `rows` cache rows
         return cache_k[:rows, :, :num_slots], cache_v[:rows, :, :num_slots]
 
@@ -105,9 +129,11 @@ class KVCache:
         ``paths[b] = None`` leaves sequence b untouched (its length stays what it is now).
         """
         seq_index, src, dst = path_moves(batch, paths)
-        for store in (self.keys, self.values):
-            for cache in store:
-                cache[seq_index, :, dst] = cache[seq_index, :, src].clone()
+        if len(seq_index):  # a chain's accepted prefix is already in place: nothing moves
+            for store in (self.keys, self.values):
+                for cache in store:
+                    cache[seq_index, :, dst] = cache[seq_index, :, src].clone()
+        self._writes = None
         for b, path in enumerate(paths):
             if path is not None:
                 self.lengths[b] = batch.cache_lens[b] + len(path)
@@ -131,12 +157,14 @@ class KVCache:
                 f"{batch.cache_lens.tolist()} vs {self.lengths[: batch.num_seqs].tolist()}"
             )
         self.reserve(batch.mask.shape[-1])
+        self._plan(batch)
 
 
 def path_moves(
     batch: ForwardBatch, paths: Sequence[Sequence[int] | None]
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(sequence, source slot, destination slot) for every kept node, as flat index tensors."""
+    """(sequence, source slot, destination slot) for every kept node that is not already where it
+    belongs (a chain's nodes are: node i at depth i), as flat index tensors."""
     if len(paths) != batch.num_seqs:
         raise ValueError(f"commit needs one path per sequence: {len(paths)} for {batch.num_seqs}")
     seqs, sources, destinations = [], [], []
@@ -153,6 +181,8 @@ def path_moves(
                 f"not at the committed length {start}; roll back first"
             )
         for depth, node in enumerate(path):
+            if node == depth:
+                continue
             seqs.append(b)
             sources.append(start + node)
             destinations.append(start + depth)

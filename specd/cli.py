@@ -40,7 +40,9 @@ from specd.bench import tp as bench_tp
 from specd.bench import trees as bench_trees
 from specd.bench.decode import METHODS, DecodeSettings
 from specd.bench.decode import main as bench_decode_main
-from specd.data import DOMAINS, format_chat, load_tokenizer
+from specd.data import DOMAINS, load_tokenizer
+from specd.data.chat import ChatTemplate
+from specd.models.gguf_convert import FetchError
 from specd.drafters.d3d import D3DDrafter
 from specd.drafters.dflash import DFlashDrafter
 from specd.drafters.ngram import NgramDrafter
@@ -76,10 +78,18 @@ def _load_tokenizer(directory: Path) -> Tokenizer | None:
     return Tokenizer.from_file(str(path)) if path.is_file() else None
 
 
+def model_dir(name: str) -> Path:
+    """A model directory given as a path, or by zoo name (``smollm2-135m``), building it if needed."""
+    path = Path(name)
+    if path.exists() or name not in {m.name for m in zoo.MODELS}:
+        return path
+    return zoo.ensure(name)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    model_dir = Path(args.model)
-    model = load_model(model_dir, dtype=getattr(torch, args.dtype) if args.dtype else None)
-    tokenizer = _load_tokenizer(model_dir)
+    directory = model_dir(args.model)
+    model = load_model(directory, dtype=getattr(torch, args.dtype) if args.dtype else None)
+    tokenizer = _load_tokenizer(directory)
     if args.prompt_ids is not None:
         try:
             prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
@@ -87,10 +97,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise UsageError(f"--prompt-ids must be comma-separated integers: {err}") from err
     else:
         if tokenizer is None:
-            raise UsageError(f"{model_dir} has no tokenizer.json: pass --prompt-ids instead of --prompt")
+            raise UsageError(f"{directory} has no tokenizer.json: pass --prompt-ids instead of --prompt")
         text = args.prompt
         if args.chat:
-            text = format_chat([{"role": "user", "content": text}], add_generation_prompt=True)
+            try:
+                text = ChatTemplate.from_dir(directory).render([{"role": "user", "content": text}])
+            except ValueError as err:
+                raise UsageError(f"--prompt cannot be a chat turn: {err}") from err
         prompt = tokenizer.encode(text).ids
     check_prompt(prompt, model.config.vocab_size)
     params = SamplingParams(
@@ -98,7 +111,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k, seed=args.seed,
         stop_token_ids=() if args.ignore_eos else model.config.stop_token_ids,
     )
-    drafter = make_drafter(args.drafter, model, target_dir=model_dir)
+    drafter = make_drafter(args.drafter, model, target_dir=directory)
     start = time.perf_counter()
     if drafter is None and args.drafter == "none":
         engine = SpeculativeEngine(model, None, EngineConfig(max_num_seqs=1, block_size=0))
@@ -233,8 +246,22 @@ def cmd_train_opd(args: argparse.Namespace) -> int:
 
 def cmd_bench_decode(args: argparse.Namespace) -> int:
     settings = DecodeSettings.quick() if args.quick else DecodeSettings()
+    settings.target = args.target
     if args.methods:
         settings.methods = tuple(args.methods.split(","))
+        unknown = sorted(set(settings.methods) - set(METHODS))
+        if unknown:
+            raise UsageError(f"unknown --methods {','.join(unknown)}: choose from {','.join(METHODS)}")
+    if args.max_tokens is not None:
+        settings.max_tokens = args.max_tokens
+    if args.prompts_per_domain is not None:
+        settings.prompts_per_domain = args.prompts_per_domain
+    if args.temperatures is not None:
+        settings.temperatures = tuple(float(t) for t in args.temperatures.split(","))
+    if args.batch_sizes is not None:
+        settings.batch_sizes = tuple(int(b) for b in args.batch_sizes.split(","))
+    if args.block_sizes is not None:
+        settings.block_sizes = tuple(int(b) for b in args.block_sizes.split(","))
     bench_decode_main(settings, Path(args.out), Path(args.json) if args.json else None)
     return 0
 
@@ -244,7 +271,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     drafter = load_model(args.drafter)
     if not isinstance(drafter, D3DModel) or drafter.config.target_hidden_size:
         raise UsageError(f"{args.drafter} is not a D3D drafter")
-    tokenizer = load_tokenizer(zoo.tokenizer_dir())
+    tokenizer = load_tokenizer(zoo.tokenizer_dir(), zoo=True)
     prompts = [tokenizer.encode(item.prompt).ids[-160:] for items in zoo.heldout().values() for item in items[: args.prompts_per_domain]]
     pruned, baseline, steps = prune(target, drafter, prompts, tolerance=args.tolerance, block_size=args.block_size)
     print(f"unpruned: {drafter.config.num_hidden_layers} layers, tau {baseline:.3f}")
@@ -372,6 +399,12 @@ def parser() -> argparse.ArgumentParser:
     decode = bench.add_parser("decode", help="speculative vs plain decoding on the zoo, same run")
     decode.add_argument("--quick", action="store_true", help="batch 1, block 8, fewer prompts (minutes)")
     decode.add_argument("--methods", help=f"comma-separated subset of {','.join(METHODS)}")
+    decode.add_argument("--target", default="qwen3-tiny", help="zoo target: qwen3-tiny, or smollm2-135m (its drafters are built on first use)")
+    decode.add_argument("--max-tokens", type=int, help="new tokens per prompt")
+    decode.add_argument("--prompts-per-domain", type=int, help="held-out prompts of each of the four domains")
+    decode.add_argument("--temperatures", help="comma-separated, e.g. 0 or 0,1")
+    decode.add_argument("--batch-sizes", help="comma-separated, e.g. 1,4 (the first is the summary's)")
+    decode.add_argument("--block-sizes", help="comma-separated draft blocks, e.g. 4,8")
     decode.add_argument("--out", default="out/bench", help="directory for plots and JSON")
     decode.add_argument("--json", help="JSON path (default OUT/decode.json)")
     decode.set_defaults(func=cmd_bench_decode)
@@ -419,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return args.func(args)
-    except (UsageError, ModelLoadError, ValueError) as err:
+    except (UsageError, ModelLoadError, ValueError, FetchError) as err:
         print(f"specd: error: {err}", file=sys.stderr)
         return 2
 

@@ -35,9 +35,11 @@ from specd.drafters.base import (
 from specd.sampling import (
     SamplingParams,
     VerifyResult,
+    process_logits,
     sample,
     target_probs,
     verify_block,
+    verify_greedy,
 )
 from specd.tree import TokenTree
 
@@ -49,20 +51,35 @@ class Generation:
     token_ids: list[int] = field(default_factory=list)
     """Generated ids (prompt excluded; a stop token that ended it included)."""
     finish_reason: str = "length"
-    """"stop" (a stop token) or "length" (max_tokens)."""
+    """"stop" (a stop token), "length" (max_tokens) or "error" (see ``error``)."""
     num_passes: int = 0
     """Target passes that produced this request's tokens (prefill included)."""
     accepted_lengths: list[int] = field(default_factory=list)
     """Drafted tokens accepted at each of this request's verification passes (speculative only)."""
+    error: str = ""
+    """With finish_reason "error": what failed in this request alone (the others went on)."""
 
 
-def check_prompt(prompt: Sequence[int], vocab_size: int) -> None:
-    """Reject prompts the model cannot take, with a message that says what was wrong."""
+def check_prompt(prompt: Sequence[int], vocab_size: int, params: SamplingParams | None = None) -> None:
+    """Reject prompts (and the token ids the params name) the model cannot take, with a message
+    that says what was wrong."""
     if len(prompt) == 0:
         raise ValueError("the prompt is empty: give at least one token")
-    bad = [t for t in prompt if not 0 <= int(t) < vocab_size]
+    try:  # vectorised: a hostile prompt may hold hundreds of thousands of ids
+        ids = torch.as_tensor(prompt, dtype=torch.long)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        ids = None  # not plain ints (or too big for int64): looked at one by one below
+    if ids is None or ids.dim() != 1:
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab_size]
+    else:
+        bad = ids[(ids < 0) | (ids >= vocab_size)][:5].tolist()
     if bad:
         raise ValueError(f"prompt ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    bad = [t for t in (params.token_ids if params is not None else ()) if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(
+            f"token ids {bad[:5]} in stop_token_ids or logit_bias are outside the vocabulary [0, {vocab_size})"
+        )
 
 
 @torch.no_grad()
@@ -75,8 +92,8 @@ def autoregressive(
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
     vocab_size = model.config.vocab_size
-    for prompt in prompts:
-        check_prompt(prompt, vocab_size)
+    for prompt, p in zip(prompts, params):
+        check_prompt(prompt, vocab_size, p)
     device = next(model.parameters()).device
     generators = [p.generator(device) for p in params]
     outputs = [Generation() for _ in prompts]
@@ -96,7 +113,8 @@ def autoregressive(
         for b, out in enumerate(outputs):
             if not running[b]:
                 continue
-            token = int(sample(target_probs(last[b : b + 1], params[b]), generators[b]))
+            logits = process_logits(last[b : b + 1], params[b], prompts[b], out.token_ids)
+            token = int(sample(target_probs(logits, params[b]), generators[b]))
             out.token_ids.append(token)
             out.num_passes += 1
             new_tokens[b] = [token]
@@ -278,8 +296,8 @@ class SpeculativeEngine:
         """Decode all prompts (at most ``max_num_seqs`` at a time, continuous batching)."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
-        for prompt in prompts:
-            check_prompt(prompt, self.target.config.vocab_size)
+        for prompt, p in zip(prompts, params):
+            check_prompt(prompt, self.target.config.vocab_size, p)
         waiting = list(range(len(prompts)))
         running: list[_Sequence] = []
         results: list[Generation | None] = [None] * len(prompts)
@@ -315,14 +333,20 @@ class SpeculativeEngine:
         blocks = [s.block.tokens[:length] if s.block is not None else [] for s in running]
         future = self._speculate_async(running, blocks)
         start = time.perf_counter()
-        probs = self._verify_pass(running, blocks)
+        logits = self._verify_pass(running, blocks)
         self.stats.seconds_target += time.perf_counter() - start
         self.stats.num_target_passes += 1
         self.cost_model.observe_pass(len(running), max(len(b) for b in blocks) + 1, time.perf_counter() - start)
         candidates = self._join(future)
         paths = [None] * self.config.max_num_seqs
         for i, (seq, block) in enumerate(zip(running, blocks)):
-            result = self._accept(seq, block, probs[i])
+            try:
+                result = self._accept(seq, block, logits[i])
+            except (ValueError, RuntimeError, IndexError) as err:
+                # One request's sampling failed (what validation at the door should have caught):
+                # it ends with its error, its row stays uncommitted, every other sequence goes on.
+                self.fail(seq, err)
+                continue
             paths[seq.row] = list(range(len(seq.context) - seq.cached + result.num_accepted))
             if getattr(self.drafter, "needs_target_hidden", False):
                 committed = len(paths[seq.row])
@@ -413,7 +437,7 @@ class SpeculativeEngine:
 
     @torch.no_grad()
     def _verify_pass(self, running: list[_Sequence], blocks: list[list[int]]) -> list[Tensor]:
-        """Target distributions ``[len(block) + 1, vocab]`` per sequence, after its params."""
+        """Target logits ``[len(block) + 1, vocab]`` per sequence (from its last committed token)."""
         # Rows past the highest busy one stay out of the pass when the cache allows it.
         rows = len(self.cache.lengths)
         if getattr(self.cache, "supports_row_prefix", False):
@@ -423,6 +447,11 @@ class SpeculativeEngine:
             trees[seq.row] = TokenTree.chain(seq.context[seq.cached :] + block, seq.cached)
         batch = ForwardBatch.from_trees(trees, self.cache.lengths[:rows], self.device)
         self._last_batch = batch
+        with torch.inference_mode():  # no autograd bookkeeping per op: ~4% of a SmolLM2 decode step
+            return self._target_logits(running, blocks, batch)
+
+    def _target_logits(self, running: list[_Sequence], blocks: list[list[int]], batch: ForwardBatch) -> list[Tensor]:
+        """`_verify_pass`'s target pass over ``batch`` and each sequence's slice of its logits."""
         if getattr(self.drafter, "needs_target_hidden", False):
             self._last_hidden = self.target.hidden_states(batch, self.cache)  # [rows, max_new, hidden]
             logits = self.target.lm_head(self._last_hidden)
@@ -433,10 +462,23 @@ class SpeculativeEngine:
         out = []
         for seq, block in zip(running, blocks):
             first = len(seq.context) - seq.cached - 1  # the last committed token's column
-            out.append(target_probs(logits[seq.row, first : first + len(block) + 1], seq.params))
+            out.append(logits[seq.row, first : first + len(block) + 1])
         return out
 
-    def _accept(self, seq: _Sequence, block: list[int], probs: Tensor) -> VerifyResult:
+    @staticmethod
+    def _target_probs(seq: _Sequence, block: list[int], logits: Tensor) -> Tensor:
+        """The request's distributions ``[len(block) + 1, vocab]`` from the target's logits there:
+        its logits processors (row r as if ``block[:r]`` were output), then its sampling."""
+        if seq.params.processes_logits:  # else no prompt copy per step: most requests set none
+            logits = process_logits(logits, seq.params, seq.context[: seq.num_prompt], seq.generation.token_ids, block)
+        return target_probs(logits, seq.params)
+
+    def _accept(self, seq: _Sequence, block: list[int], logits: Tensor) -> VerifyResult:
+        """Verify ``block`` against the target's ``[len(block) + 1, vocab]`` logits there, under the
+        request's sampling (a plain greedy request by argmax alone: no vocabulary-wide tensors)."""
+        if seq.params.greedy and not seq.params.processes_logits:
+            return verify_greedy(block, logits)
+        probs = self._target_probs(seq, block, logits)
         draft_probs = None
         if block and seq.block is not None and seq.block.probs is not None:
             draft_probs = seq.block.probs[: len(block)]
@@ -456,6 +498,13 @@ class SpeculativeEngine:
                 out.finish_reason, seq.done = "length", True
             if seq.done:
                 return
+
+    def fail(self, seq: _Sequence, err: BaseException) -> None:
+        """End one sequence with an error of its own (its row is reset when it is reused)."""
+        seq.generation.finish_reason = "error"
+        seq.generation.error = f"{type(err).__name__}: {err}"
+        seq.done = True
+        seq.block = None
 
     def _release(self, seq_id: int) -> None:
         if self.drafter is None or not hasattr(self.drafter, "release"):

@@ -36,6 +36,7 @@ whatever q the drafter sent.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -45,34 +46,118 @@ from torch import Tensor
 from specd.tree import TokenTree
 
 
+SEED_RANGE = (0, 2**64 - 1)
+"""Seeds a request may give: what a 64-bit generator state holds (the gRPC field is uint64)."""
+
+MIN_TEMPERATURE = 1e-5
+"""Temperatures above 0 but below this decode greedily, as vLLM's ``_SAMPLING_EPS``: logits / T
+overflows float32 for T near 1e-38, and long before that the distribution is one-hot in all but
+rounding."""
+
+MAX_TOP_K = 2**31 - 1
+"""The largest top_k (the gRPC field is int32; any value past the vocabulary means all)."""
+
+MIN_REPETITION_PENALTY = 0.01
+"""Below it a penalised logit overflows float32 (it is divided by the penalty)."""
+
+MAX_LOGIT_BIAS = 100.0
+"""``|logit_bias|`` per token, OpenAI's bound."""
+
+
 @dataclass(kw_only=True, slots=True)
 class SamplingParams:
+    """One request's sampling, validated on construction: the single rule set that the HTTP API,
+    gRPC and the library share. Every ValueError names the field and the allowed range."""
+
     max_tokens: int = 64
     """Tokens to generate at most (stop tokens end earlier)."""
     temperature: float = 0.0
-    """0 = greedy; otherwise the softmax temperature."""
+    """0 = greedy; otherwise the softmax temperature (below `MIN_TEMPERATURE`: greedy)."""
     top_k: int = 0
     """Keep the k most likely tokens (0 = all)."""
     top_p: float = 1.0
     """Keep the smallest set of tokens whose probability reaches top_p (1 = all)."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the most likely one's (0 = off)."""
     seed: int | None = None
-    """Seed of this request's generator (None = nondeterministic)."""
+    """Seed of this request's generator, in `SEED_RANGE` (None = nondeterministic)."""
     stop_token_ids: tuple[int, ...] = ()
     """Generation ends after emitting one of these (it is included in the output)."""
+    min_tokens: int = 0
+    """The stop tokens cannot be emitted before this many tokens were generated."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token the output already holds (OpenAI's, in [-2, 2])."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time the output holds it (OpenAI's, in [-2, 2])."""
+    repetition_penalty: float = 1.0
+    """CTRL's penalty on tokens of the prompt or output: a positive logit is divided by it, a
+    negative one multiplied (1 = off; vLLM's and transformers' meaning)."""
+    logit_bias: dict[int, float] | None = None
+    """Added to the logits of these token ids before anything else (OpenAI's, in [-100, 100])."""
 
     def __post_init__(self) -> None:
+        # NaN passes every comparison below, so finiteness is checked first and by name.
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        for name in ("max_tokens", "top_k", "min_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = disabled), got {self.top_k}")
+        if self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0  # greedy (see MIN_TEMPERATURE)
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be in [0, 2**31 - 1] (0 = disabled), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+                raise ValueError(f"seed must be an integer, got {self.seed!r}")
+            if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+                raise ValueError(f"seed must be in [{SEED_RANGE[0]}, 2**64 - 1], got {self.seed}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty must be in [0.01, 2] (1 = off), got {self.repetition_penalty}")
+        for token, bias in (self.logit_bias or {}).items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias of token {token} must be a number in [-100, 100], got {bias!r}")
+        for token in self.stop_token_ids:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ValueError(f"stop_token_ids must be token ids >= 0, got {token!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether the distribution depends on the tokens so far (penalties, min_tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.min_tokens)
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether `process_logits` changes anything: callers skip gathering its history else."""
+        return self.needs_history or bool(self.logit_bias)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token id the params name (stop tokens, biased tokens): the engine checks them
+        against the vocabulary."""
+        return [*self.stop_token_ids, *(self.logit_bias or {})]
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         generator = torch.Generator(device=device)
@@ -83,16 +168,70 @@ class SamplingParams:
         return generator
 
 
+def process_logits(
+    logits: Tensor,  # [num_rows, vocab]: row r predicts the token after output + block[:r]
+    params: SamplingParams,
+    prompt: Sequence[int] = (),
+    output: Sequence[int] = (),
+    block: Sequence[int] = (),
+) -> Tensor:
+    """The request's logits processors, in vLLM's order: logit_bias, min_tokens, then the
+    repetition, frequency and presence penalties.
+
+    They change the *target* distribution, so speculation stays lossless with respect to the
+    processed distribution: row r of a verified block is processed as if ``block[:r]`` were
+    already output, which is exactly what it is when those tokens are accepted (and rows after
+    a rejection are never used). With none of them set, ``logits`` is returned as is.
+    """
+    if not params.processes_logits:
+        return logits
+    num_rows, vocab = logits.shape
+    logits = logits.float().clone()
+    device = logits.device
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
+        logits[:, ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=device)
+    if params.min_tokens and params.stop_token_ids:
+        generated = len(output) + torch.arange(num_rows, device=device)  # tokens before each row's
+        early = (generated < params.min_tokens).nonzero().flatten()
+        if early.numel():
+            stops = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
+            logits[early.unsqueeze(1), stops.unsqueeze(0)] = float("-inf")
+    if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1:
+        # counts[r] = occurrences in output + block[:r]: the output's counts plus a running sum.
+        history = torch.tensor(list(output), dtype=torch.long, device=device)
+        counts = torch.bincount(history, minlength=vocab)[:vocab].float().expand(num_rows, vocab).clone()
+        if num_rows > 1 and len(block):
+            steps = torch.zeros(num_rows, vocab, device=device)
+            drafted = torch.tensor(list(block)[: num_rows - 1], dtype=torch.long, device=device)
+            steps[torch.arange(1, 1 + len(drafted), device=device), drafted] = 1.0
+            counts += steps.cumsum(0)
+        if params.repetition_penalty != 1:
+            seen = counts > 0
+            if len(prompt):
+                seen[:, torch.tensor(list(prompt), dtype=torch.long, device=device)] = True
+            penalised = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
+            logits = torch.where(seen, penalised, logits)
+        logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+    return logits
+
+
 def target_probs(logits: Tensor, params: SamplingParams) -> Tensor:
-    """``[..., vocab]`` logits -> fp32 probabilities after temperature, top-k and top-p.
+    """``[..., vocab]`` logits -> fp32 probabilities after temperature, top-k, top-p and min-p.
 
     For greedy params this is the one-hot of the argmax, so greedy decoding is sampling from
-    it: one code path for both in the rejection sampler.
+    it: one code path for both in the rejection sampler. Logits processors that depend on the
+    tokens so far (`process_logits`) are applied by the caller, which knows them.
     """
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     logits = logits / params.temperature
+    if params.temperature < 1:
+        # A finite logit over a temperature below 1 can overflow to +inf, and softmax would turn
+        # two of them into NaN: the largest float stands in for infinity (-inf stays: a mask).
+        # At T >= 1 nothing grows, so the decode loop's usual T = 1 pays nothing for it.
+        logits = logits.clamp(max=torch.finfo(torch.float32).max)
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -101,8 +240,14 @@ def target_probs(logits: Tensor, params: SamplingParams) -> Tensor:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # Drop a token when the mass strictly before it already reaches top_p (keeps >= 1).
         before = sorted_probs.cumsum(-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
+        drop = before >= params.top_p
+        drop[..., 0] = False  # the most likely token always stays (a denormal top_p is 0 in fp32)
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if params.min_p > 0:
+        # The most likely token always stays (its probability is min_p times itself at most).
+        probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
 
@@ -211,6 +356,21 @@ def verify_block(
         accepted_tokens=accepted_tokens,
         next_token=next_token,
     )
+
+
+def verify_greedy(draft_tokens: Sequence[int], logits: Tensor) -> VerifyResult:
+    """`verify_block` for a greedy request whose logits no processor changes, from the target's
+    argmax alone: ``logits`` ``[B + 1, vocab]``. The same outcome as the one-hot ``target_probs``
+    give there (a drafted token is accepted iff it is the argmax; the next token is the argmax at
+    the first mismatch), without building probabilities over the vocabulary or drawing a coin."""
+    if logits.dim() != 2 or logits.shape[0] != len(draft_tokens) + 1:
+        raise ValueError(f"logits must be [B + 1, vocab] = [{len(draft_tokens) + 1}, V], got {tuple(logits.shape)}")
+    best = logits.argmax(-1).tolist()  # [B + 1]
+    num_accepted = 0
+    while num_accepted < len(draft_tokens) and int(draft_tokens[num_accepted]) == best[num_accepted]:
+        num_accepted += 1
+    return VerifyResult(num_draft_tokens=len(draft_tokens), num_accepted=num_accepted,
+                        accepted_tokens=[int(t) for t in draft_tokens[:num_accepted]], next_token=best[num_accepted])
 
 
 def verify_batch(

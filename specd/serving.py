@@ -13,6 +13,22 @@ not spend a thread per open stream.
 
 The lock `target_lock` is held during every step, so other users of the same target (the
 verifier's tree scoring for the trainer) interleave between steps instead of racing them.
+
+One request must never stop the engine for the others (a probe once poisoned it with
+``temperature=1e-40``):
+
+- parameters are validated before a request is queued (`SamplingParams`, `check`), and a full
+  queue refuses at once (`QueueFull`, HTTP 429) instead of growing without bound;
+- a request whose own sampling fails inside a step ends with finish reason "error" and its
+  message, while the rest of the batch goes on (`SpeculativeEngine.fail`); a step that fails as
+  a whole is retried once per sequence alone, so only the sequences that fail alone fail;
+- if the loop thread dies all the same (a bug, repeated whole-step failures) every open stream
+  gets the error, `alive` turns False, new requests are refused (`EngineStopped`) and
+  ``on_death`` tells the server, which reports NOT_SERVING and exits so that its supervisor
+  restarts it: a dead engine behind a green health check is the one outcome ruled out;
+- `shutdown` ends every stream within its budget whatever state the loop is in: what it could not
+  finish is aborted from the calling thread, so no consumer (an HTTP response, a gRPC handler
+  thread) waits forever.
 """
 
 from __future__ import annotations
@@ -41,6 +57,19 @@ class ContextTooLong(ValueError):
     """The prompt plus the tokens asked for do not fit in the model's context."""
 
 
+class QueueFull(Exception):
+    """The waiting queue is at its limit: the client should retry later (HTTP 429)."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine is shutting down or its loop died: send the request to another replica."""
+
+
+MAX_WHOLE_STEP_FAILURES = 3
+"""Consecutive steps that fail as a whole (even sequence by sequence) before the engine is
+declared dead: a target that cannot run any pass is not serving."""
+
+
 @dataclass(kw_only=True, slots=True)
 class Usage:
     prompt_tokens: int
@@ -57,13 +86,15 @@ class Delta:
     request_id: str
     token_ids: list[int]
     finish_reason: str | None = None
-    """None until the last delta: "stop", "length" or "abort"."""
+    """None until the last delta: "stop", "length", "abort" or "error"."""
     usage: Usage | None = None
     """On the last delta."""
     accepted_lengths: list[int] | None = None
     """On the last delta: accepted drafted tokens at each of the request's verification passes."""
     drafter_version: str = ""
     """On the last delta: the drafter weight version that drafted for it last ("" without one)."""
+    error: str = ""
+    """With finish_reason "error": what went wrong with this request."""
 
 
 class RequestStream:
@@ -76,10 +107,15 @@ class RequestStream:
         self._items: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._async_items: asyncio.Queue | None = None
+        self._ended = False
 
     def _put(self, item) -> None:
-        """Called by the loop thread."""
+        """Called by the loop thread (and by `ServingEngine.shutdown`). After the last item (a
+        delta with a finish reason, or an error) nothing more is delivered: one end per stream."""
         with self._lock:
+            if self._ended:
+                return
+            self._ended = isinstance(item, BaseException) or item.finish_reason is not None
             if self._loop is not None:
                 self._loop.call_soon_threadsafe(self._async_items.put_nowait, item)
             else:
@@ -142,18 +178,27 @@ class _Pending:
 
 
 class ServingEngine:
-    """Continuous batching around `SpeculativeEngine` in a background thread (module docstring)."""
+    """Continuous batching around `SpeculativeEngine` in a background thread (module docstring).
+
+    ``max_waiting`` bounds the queue (`QueueFull` past it; None = unbounded); ``on_death`` is
+    called from the loop thread, with the error, if the loop ever dies.
+    """
 
     def __init__(self, target: nn.Module, drafter=None, config: EngineConfig | None = None, *,
                  max_model_len: int | None = None, drafter_version: Callable[[], str] = lambda: "",
-                 on_finish: Callable[[FinishedRequest], None] | None = None) -> None:
+                 on_finish: Callable[[FinishedRequest], None] | None = None, max_waiting: int | None = None,
+                 on_death: Callable[[BaseException], None] | None = None) -> None:
         config = config or EngineConfig(drafter_retry_s=5.0)
+        if max_waiting is not None and max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0 (None = unbounded), got {max_waiting}")
         self.engine = SpeculativeEngine(target, drafter, config)
         self.vocab_size = target.config.vocab_size
         self.max_model_len = max_model_len or int(getattr(target.config, "max_position_embeddings", 4096))
+        self.max_waiting = max_waiting
         self.target_lock = threading.Lock()
         self._drafter_version = drafter_version
         self._on_finish = on_finish
+        self._on_death = on_death
         self._cond = threading.Condition()
         self._waiting: deque[_Pending] = deque()
         self._running: list[_Sequence] = []
@@ -161,6 +206,8 @@ class ServingEngine:
         self._free_rows = list(range(config.max_num_seqs))  # a heap: busy rows stay a short prefix
         self._stopping = False
         self._drain = True
+        self.error: BaseException | None = None
+        """Why the loop died (None while it runs)."""
         self._ids = random.Random()  # drafter-side sequence ids: unique across verifiers
         self._thread = threading.Thread(target=self._loop, name="specd-engine", daemon=True)
         self._thread.start()
@@ -178,9 +225,14 @@ class ServingEngine:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def alive(self) -> bool:
+        """The loop runs and takes requests (False once it died or is shutting down)."""
+        return self.error is None and not self._stopping and self._thread.is_alive()
+
     def check(self, prompt: Sequence[int], params: SamplingParams) -> None:
         """Raise ValueError (ContextTooLong when it does not fit) for a request that cannot run."""
-        check_prompt(prompt, self.vocab_size)
+        check_prompt(prompt, self.vocab_size, params)
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise ContextTooLong(
                 f"the prompt has {len(prompt)} tokens and asks for {params.max_tokens} more, but this "
@@ -188,11 +240,20 @@ class ServingEngine:
             )
 
     def submit(self, prompt: Sequence[int], params: SamplingParams, *, request_id: str | None = None) -> RequestStream:
+        """Queue a request; ValueError for one that cannot run, `QueueFull` when the queue is at
+        ``max_waiting``, `EngineStopped` when the engine is shutting down or dead."""
         self.check(prompt, params)
         stream = RequestStream(request_id or uuid.uuid4().hex)
         with self._cond:
+            if self.error is not None:
+                raise EngineStopped(f"the engine stopped ({self.error!r}): send the request to another replica")
             if self._stopping:
-                raise RuntimeError("the engine is shutting down: send the request to another replica")
+                raise EngineStopped("the engine is shutting down: send the request to another replica")
+            if self.max_waiting is not None and len(self._waiting) >= self.max_waiting:
+                raise QueueFull(
+                    f"the server is at capacity ({len(self._waiting)} requests already wait for a free row): "
+                    "retry later or on another replica"
+                )
             self._waiting.append(_Pending(prompt=list(map(int, prompt)), params=params, stream=stream))
             self._cond.notify()
         return stream
@@ -201,9 +262,11 @@ class ServingEngine:
         """Submit one request and wait for all of its tokens."""
         return [t for delta in self.submit(prompt, params) for t in delta.token_ids]
 
-    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+    def shutdown(self, drain: bool = True, timeout: float | None = None, *, abort_timeout: float = 10.0) -> None:
         """Stop the loop; with ``drain`` it first finishes every running and queued request, for
-        at most ``timeout`` seconds (None: as long as they take), then aborts what is left."""
+        at most ``timeout`` seconds (None: as long as they take), then aborts what is left. A
+        loop that does not stop within ``abort_timeout`` more seconds (a step that hangs) is left
+        behind: every open stream is ended from here, so shutdown always returns."""
         with self._cond:
             self._stopping, self._drain = True, drain
             self._cond.notify()
@@ -211,11 +274,17 @@ class ServingEngine:
         if self._thread.is_alive():
             with self._cond:
                 self._drain = False
-            self._thread.join()
+                self._cond.notify()
+            self._thread.join(abort_timeout)
+        if self._thread.is_alive():
+            logger.error("the engine loop did not stop within %.1f s of its abort: ending its streams", abort_timeout)
+            self._end_all(lambda stream: Delta(request_id=stream.request_id, token_ids=[], finish_reason="abort"))
+            return  # the engine's pool may be stuck with the loop: not waited for
         self.engine.close()
 
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
+        failures = 0
         try:
             while True:
                 with self._cond:
@@ -228,20 +297,53 @@ class ServingEngine:
                 if not self._running:
                     continue
                 start = time.perf_counter()
-                with self.target_lock:
-                    self.engine.step(self._running)
+                try:
+                    with self.target_lock:
+                        self.engine.step(self._running)
+                    failures = 0
+                except Exception as err:  # the step as a whole: find which sequences fail on their own
+                    progressed = self._isolate(err)
+                    failures = 0 if progressed else failures + 1
+                    if failures >= MAX_WHOLE_STEP_FAILURES:
+                        raise
                 self._publish()
                 self.engine.stats.seconds_total += time.perf_counter() - start  # busy time
-        except BaseException as err:  # a bug in a step: fail every open stream loudly, never hang them
-            for pending, _ in self._streams.values():
-                pending.stream._put(RuntimeError(f"the engine stopped: {err!r}"))
-            for pending in self._waiting:
-                pending.stream._put(RuntimeError(f"the engine stopped: {err!r}"))
-            raise
-        for pending, _ in self._streams.values():  # not drained: the rest is aborted
-            pending.stream._put(Delta(request_id=pending.stream.request_id, token_ids=[], finish_reason="abort"))
-        for pending in self._waiting:
-            pending.stream._put(Delta(request_id=pending.stream.request_id, token_ids=[], finish_reason="abort"))
+        except BaseException as err:  # the loop dies: fail every open stream loudly, never hang them
+            self.error = err
+            logger.critical("the engine loop died: %r", err, exc_info=err)
+            why = f"the engine stopped: {err!r}"
+            self._end_all(lambda stream: EngineStopped(why))
+            if self._on_death is not None:
+                self._on_death(err)
+            return
+        # Not drained: the rest is aborted.
+        self._end_all(lambda stream: Delta(request_id=stream.request_id, token_ids=[], finish_reason="abort"))
+
+    def _end_all(self, last: Callable[[RequestStream], Delta | BaseException]) -> None:
+        """Give every open stream (running and queued) its last item."""
+        with self._cond:
+            streams = [pending.stream for pending, _ in list(self._streams.values())]
+            streams += [pending.stream for pending in self._waiting]
+        for stream in streams:
+            stream._put(last(stream))
+
+    def _isolate(self, err: Exception) -> bool:
+        """After a step failed as a whole: step each running sequence alone, once. Those that
+        fail alone end with their error; the others make one step of progress. Returns whether
+        any did (if none can, the target itself is failing)."""
+        logger.error("an engine step over %d sequences failed (%r): stepping each alone",
+                     len(self._running), err, exc_info=err)
+        progressed = False
+        for seq in list(self._running):
+            if seq.done:
+                continue
+            try:
+                with self.target_lock:
+                    self.engine.step([seq])
+                progressed = True
+            except Exception as alone:  # this sequence's own failure: it ends, the others go on
+                self.engine.fail(seq, alone)
+        return progressed
 
     def _admit(self) -> None:
         while self._waiting and self._free_rows:
@@ -249,12 +351,18 @@ class ServingEngine:
             if pending.stream.cancelled.is_set():
                 pending.stream._put(Delta(request_id=pending.stream.request_id, token_ids=[], finish_reason="abort"))
                 continue
+            try:
+                generator = pending.params.generator(self.engine.device)
+            except (ValueError, RuntimeError, OverflowError) as err:  # validated at the door: a bug if so
+                logger.error("request %s cannot be seeded: %r", pending.stream.request_id, err)
+                pending.stream._put(Delta(request_id=pending.stream.request_id, token_ids=[], finish_reason="error",
+                                          error=f"{type(err).__name__}: {err}"))
+                continue
             row = heapq.heappop(self._free_rows)
             self.engine._reset_row(row)
             seq_id = self._ids.getrandbits(63)
             self._running.append(_Sequence(
-                seq_id=seq_id, row=row, params=pending.params,
-                generator=pending.params.generator(self.engine.device),
+                seq_id=seq_id, row=row, params=pending.params, generator=generator,
                 context=pending.prompt, num_prompt=len(pending.prompt),
             ))
             self._streams[seq_id] = (pending, 0)
@@ -289,11 +397,13 @@ class ServingEngine:
             mean_accepted_length=len(out.token_ids) / out.num_passes if out.num_passes else 0.0,
         )
         version = self._drafter_version()
+        if out.finish_reason == "error":
+            logger.warning("request %s failed alone: %s", stream.request_id, out.error)
         stream._put(Delta(
             request_id=stream.request_id, token_ids=tokens or [], finish_reason=out.finish_reason, usage=usage,
-            accepted_lengths=list(out.accepted_lengths), drafter_version=version,
+            accepted_lengths=list(out.accepted_lengths), drafter_version=version, error=out.error,
         ))
-        if self._on_finish is not None:
+        if self._on_finish is not None and out.finish_reason != "error":
             self._report(FinishedRequest(
                 request_id=stream.request_id, prompt=pending.prompt, output=list(out.token_ids),
                 finish_reason=out.finish_reason, accepted_lengths=list(out.accepted_lengths),

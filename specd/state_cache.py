@@ -77,8 +77,9 @@ class SlotStore:
         store[seq_index, batch.write_slots[seq_index, new_index]] = values[seq_index, new_index].to(store.dtype)
 
     def move(self, seq_index: Tensor, src: Tensor, dst: Tensor) -> None:
-        for store in self.tensors:
-            store[seq_index, dst] = store[seq_index, src].clone()
+        if len(seq_index):
+            for store in self.tensors:
+                store[seq_index, dst] = store[seq_index, src].clone()
 
 
 @dataclass(slots=True)

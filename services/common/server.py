@@ -17,8 +17,9 @@
   the service's ``on_drain()``, then grpc's ``stop(drain_seconds)``, which sends GOAWAY (clients
   reconnect elsewhere at once, which a long-lived channel through a Kubernetes Service needs) and
   gives in-flight calls ``drain_seconds`` to finish. A call that races that GOAWAY ends CANCELLED
-  or UNAVAILABLE; both mean "retry on another replica". A second signal stops at once. The pod's
-  ``terminationGracePeriodSeconds`` must exceed ``drain_seconds`` plus the time ``on_drain`` takes.
+  or UNAVAILABLE; both mean "retry on another replica". A second signal stops at once.
+  ``drain_seconds`` is the budget of the whole drain (``on_drain`` and grpc's stop together, with
+  at least a second left for the stop); the pod's ``terminationGracePeriodSeconds`` must exceed it.
 
 `open_channel` is the client side: TLS when ``tls_ca`` is set, and one interceptor that opens a
 CLIENT span per call and injects its W3C context, adds the bearer token, and gives every unary
@@ -71,7 +72,7 @@ class _BearerAuth(grpc.ServerInterceptor):
     """Ends every call UNAUTHENTICATED unless its metadata has ``authorization: Bearer <token>``."""
 
     def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+        self._expected = token.encode()
 
     def intercept_service(
         self,
@@ -81,9 +82,11 @@ class _BearerAuth(grpc.ServerInterceptor):
         if handler_call_details.method.startswith(_HEALTH_PREFIX):
             return continuation(handler_call_details)
         presented = dict(handler_call_details.invocation_metadata or ()).get("authorization")
+        # The scheme is case-insensitive (RFC 7235), as the HTTP API already takes it.
+        scheme, _, token = (presented or "").strip().partition(" ")
         if presented is None:
             problem = "missing bearer token: send metadata 'authorization: Bearer <token>' (the auth_token)"
-        elif not hmac.compare_digest(presented.encode(), self._expected):
+        elif scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._expected):
             problem = "wrong bearer token: send 'authorization: Bearer <token>' with this service's auth_token"
         else:
             return continuation(handler_call_details)
@@ -215,9 +218,13 @@ class GrpcServer:
         in-flight calls at once. The previous handlers are restored on return."""
 
         def drain() -> None:
+            # One budget for the whole drain: what on_drain spent (a verifier finishing its
+            # requests) is not given to grpc's stop again, which then only lets the calls that
+            # on_drain ended send their last message.
+            start = time.monotonic()
             if on_drain is not None:
                 on_drain()
-            self.stop(self.config.drain_seconds)
+            self.stop(max(1.0, self.config.drain_seconds - (time.monotonic() - start)))
 
         def on_signal(signum: int, frame: object) -> None:
             if self.draining:

@@ -54,6 +54,9 @@ def tensor_from_proto(m: common_pb2.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- sampling params
+_OPTIONAL_FLOATS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
 def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
     """Every field is sent explicitly, so the receiver never guesses (temperature 0 stays greedy)."""
     m = common_pb2.SamplingParams(
@@ -62,6 +65,9 @@ def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         top_k=p.top_k,
         max_tokens=p.max_tokens,
         stop_token_ids=list(p.stop_token_ids),
+        min_tokens=p.min_tokens,
+        logit_bias=p.logit_bias or {},
+        **{name: getattr(p, name) for name in _OPTIONAL_FLOATS},
     )
     if p.seed is not None:
         m.seed = p.seed
@@ -71,20 +77,18 @@ def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
 def params_from_proto(m: common_pb2.SamplingParams, *, default_max_tokens: int = 64) -> SamplingParams:
     """Absent fields take the library defaults (absent temperature = greedy; absent max_tokens =
     ``default_max_tokens``). ValueError, saying which field and why, on a value out of range
-    (an explicit max_tokens <= 0 among them)."""
-    temperature = m.temperature if m.HasField("temperature") else 0.0
-    top_p = m.top_p if m.HasField("top_p") else 1.0
-    # NaN passes every comparison SamplingParams makes, so non-finite values are refused here.
-    for name, value in (("temperature", temperature), ("top_p", top_p)):
-        if not math.isfinite(value):
-            raise ValueError(f"SamplingParams.{name} must be a finite number, got {value}")
+    (`SamplingParams` holds the rules, the same for HTTP and gRPC)."""
+    floats = {name: getattr(m, name) for name in _OPTIONAL_FLOATS if m.HasField(name)}
     return SamplingParams(
         max_tokens=m.max_tokens if m.HasField("max_tokens") else default_max_tokens,
-        temperature=temperature,
+        temperature=m.temperature if m.HasField("temperature") else 0.0,
         top_k=m.top_k if m.HasField("top_k") else 0,
-        top_p=top_p,
+        top_p=m.top_p if m.HasField("top_p") else 1.0,
         seed=m.seed if m.HasField("seed") else None,
         stop_token_ids=tuple(m.stop_token_ids),
+        min_tokens=m.min_tokens if m.HasField("min_tokens") else 0,
+        logit_bias=dict(m.logit_bias) or None,
+        **floats,
     )
 
 

@@ -25,11 +25,17 @@ Design choices:
   `services.common.broadcast`).
 - **Bad input is INVALID_ARGUMENT** with the item and the reason; the replica keeps serving. Calls
   before the weights are loaded are UNAVAILABLE (health is NOT_SERVING until then).
+- **SIGTERM ends the open Speculate streams** (`DrafterServicer.drain`): an idle one at once, one
+  answering a message right after that answer. A verifier holds its stream open for good, so
+  otherwise every drain would last the full ``drain_seconds`` and then cut the stream wherever it
+  was; this way the verifier fails over to another replica at once and the drafter exits as soon
+  as its passes are done. A stop signal is a drain from the moment health says SERVING.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 import tempfile
 import threading
 import time
@@ -217,6 +223,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.version = ""
         self._contexts: OrderedDict[int, list[int]] = OrderedDict()  # seq_id -> context, least recent first
         self._lock = threading.Lock()
+        # Open Speculate streams -> whether one is answering a message now (`drain` ends them).
+        self._streams: dict[grpc.ServicerContext, bool] = {}
+        self._streams_lock = threading.Lock()
+        self._draining = False
         self._tracer = get_tracer(__name__)
 
     # ------------------------------------------------------------------ weights
@@ -297,8 +307,31 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def Speculate(
         self, request_iterator: Iterator[drafter_pb2.SpeculateRequest], context: grpc.ServicerContext
     ) -> Iterator[drafter_pb2.SpeculateResponse]:
-        for request in request_iterator:
-            yield self._speculate(request, context)
+        with self._streams_lock:
+            if self._draining:
+                return  # opened just before the drain gate closed: end it like the others
+            self._streams[context] = False
+        try:
+            for request in request_iterator:
+                with self._streams_lock:
+                    self._streams[context] = True
+                yield self._speculate(request, context)  # resumes once the answer is sent
+                with self._streams_lock:
+                    self._streams[context] = False
+                    if self._draining:
+                        return
+        finally:
+            with self._streams_lock:
+                self._streams.pop(context, None)
+
+    def drain(self) -> None:
+        """Shutting down: end every open Speculate stream, an idle one now (cancelled: its
+        verifier fails over), a busy one once its current answer is sent (module docstring)."""
+        with self._streams_lock:
+            self._draining = True
+            idle = [context for context, busy in self._streams.items() if not busy]
+        for context in idle:
+            context.cancel()  # wakes the handler waiting for the next message
 
     def _speculate(self, request: drafter_pb2.SpeculateRequest, context: grpc.ServicerContext) -> drafter_pb2.SpeculateResponse:
         received = time.perf_counter()
@@ -501,8 +534,26 @@ def main(argv: Sequence[str] | None = None) -> None:
                 broadcast_failures=servicer.metrics.weight_broadcast_failures,
             )
             watcher.start()
+
+        def on_drain() -> None:
+            servicer.drain()
+            if watcher is not None:
+                watcher.stop()
+
+        def drain() -> None:  # as wait_for_termination's: one drain_seconds budget in all
+            start = time.monotonic()
+            on_drain()
+            server.stop(max(1.0, config.drain_seconds - (time.monotonic() - start)))
+
+        # From SERVING until wait_for_termination installs its handlers, a stop signal drains too:
+        # Python's default would kill the process under its callers.
+        def drain_early(signum: int, frame: object) -> None:
+            threading.Thread(target=drain, name="specd-drafter-drain").start()
+
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, drain_early)
         server.set_serving()
         print(f"drafter serving on {config.host}:{port} (version {servicer.version})", flush=True)
-        server.wait_for_termination(on_drain=watcher.stop if watcher else None)
+        server.wait_for_termination(on_drain=on_drain)
         if watcher is not None:
             watcher.stop()

@@ -42,6 +42,7 @@ import json
 import logging
 import math
 import os
+import signal
 import socket
 import threading
 from collections.abc import Iterator, Sequence
@@ -409,6 +410,7 @@ class TrainerService:
         published = self.learner.write(candidate)
         if self.config.weight_transport == "broadcast":
             self._broadcast(published)
+        self.learner.serve(published)  # fetchable before anything names it
         announcement = published.announcement()
         # The key first: it is the truth; the message is only a hint to re-read it.
         self.client.set(self.config.version_key, announcement)
@@ -571,6 +573,18 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     thread = threading.Thread(target=loop, name="specd-trainer-loop")
     thread.start()
+
+    def drain() -> None:
+        service.stop()  # only asks: the loop saves, acknowledges and exits on its own
+        server.stop(config.drain_seconds)
+
+    def drain_early(signum: int, frame: object) -> None:
+        threading.Thread(target=drain, name="specd-trainer-drain").start()
+
+    # From SERVING until wait_for_termination installs its handlers, a stop signal drains too:
+    # Python's default would kill the loop before its last checkpoint.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, drain_early)
     server.set_serving()
     print(f"trainer serving on {config.host}:{port} (live version {service.learner.counters.live_version or 'initial'})",
           flush=True)

@@ -22,12 +22,27 @@ service. Design choices:
 - **Delta contexts.** The pool remembers how much of each context its replica holds and sends
   only the rest; a sequence the replica names in ``resend`` (evicted, restarted) is sent again in
   full in a follow-up message of the same call.
-- **Failure.** An RPC that fails with anything but a verdict on the request (UNAVAILABLE,
-  DEADLINE_EXCEEDED, a broken stream, ...) marks the replica dead for ``retry_seconds``; its
-  sequences move to live replicas and the failed part is retried once there with full contexts.
-  When no replica can answer the call raises `DrafterUnavailable` and the engine decodes plain:
-  a request never fails for speed's sake. INVALID_ARGUMENT is the caller's bug: ValueError.
-  RESOURCE_EXHAUSTED (more sequences in one call than a replica holds) is DrafterUnavailable.
+- **Failure: a sick replica costs its own sequences, never the batch.**
+  - *Slow or hung.* A call waits for its parts only so long: once a part has run
+    ``grace_factor`` times as long as the reference (the slowest part of the call that answered,
+    or the pool's typical part time, whichever is longer; at least ``grace_seconds``), the call
+    returns without it: its sequences get an empty block (Draft) or no candidates (Speculate),
+    i.e. plain decoding this step. The part goes on in the background until its deadline
+    (``timeout``); meanwhile its replica is *busy*: calls answer its sequences at once with no
+    block rather than queue behind it, and new sequences go elsewhere. A late answer is dropped
+    (the pool still records what context the replica now holds); a deadline is a failure. With
+    a single usable replica there is no one else to stall, and parts are waited for up to the
+    deadline, as is the very first call (no reference yet).
+  - *Failed.* An RPC that fails with anything but a verdict on the request (UNAVAILABLE,
+    DEADLINE_EXCEEDED, a broken stream, ...) takes the replica out of use; its sequences move to
+    live replicas, and the failed part is retried once there, with full contexts. A background
+    thread asks the down replica's ``Info`` every ``retry_seconds`` (never a caller: a hung
+    replica's Info would hold the step for the whole deadline); it is used again once Info
+    answers and agrees. It is logged once as down (WARNING), then as still down at doubling
+    intervals (up to 5 minutes), and once as back (INFO).
+  - When no replica can answer the call raises `DrafterUnavailable` and the engine decodes plain:
+    a request never fails for speed's sake. INVALID_ARGUMENT is the caller's bug: ValueError.
+    RESOURCE_EXHAUSTED (more sequences in one call than a replica holds) is DrafterUnavailable.
 - Candidates whose ``base_len`` is not the context length are stale and dropped. Blocks drafted
   with older weights are still valid proposals (they carry their own q), so the weight version
   is recorded (`version`) but not used to drop anything.
@@ -43,8 +58,9 @@ import secrets
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Sequence, TypeVar
 
 import grpc
@@ -61,6 +77,12 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 Request = TypeVar("Request", DraftRequest, SpeculateRequest)
 
+MAX_WARNING_INTERVAL = 300.0
+"""Longest pause (seconds) between "still down" warnings about one replica."""
+TYPICAL_WEIGHT = 0.2
+"""Weight of the newest part in the pool's typical part time (an exponential moving average)."""
+_GIVEN_UP = object()  # a job's outcome when the caller stopped waiting for it
+
 
 class _ReplicaFailed(Exception):
     """A replica did not answer (or answered nonsense); the call fails over."""
@@ -75,7 +97,11 @@ class PoolStats:
     num_failovers: int = 0
     """Parts of a call moved to another replica after their replica failed."""
     num_replica_failures: int = 0
-    """Times a replica was found dead or failing (any call) and taken out of use for a while."""
+    """Times a replica went down (a call or its Info failed) and was taken out of use until its
+    Info answers again."""
+    num_stragglers: int = 0
+    """Parts (and Releases) a call stopped waiting for: their replica outlived the grace (module
+    docstring), and their sequences got no block."""
     num_resends: int = 0
     """Sequences sent again in full because a replica asked (``resend``)."""
     server_seconds: float = 0.0
@@ -148,9 +174,13 @@ class _Replica:
     channel: grpc.Channel | None = None
     stub: drafter_pb2_grpc.DrafterStub | None = None
     stream: _SpeculateStream | None = None
-    checked: bool = False  # its Info answered and agreed
+    checked: bool = False  # its Info answered and agreed (and nothing failed since): usable
     incompatible: str = ""  # why it can never be used
-    dead_until: float = 0.0
+    num_stragglers: int = 0  # jobs a call stopped waiting for, still running: > 0 is "busy"
+    probing: bool = False  # a background thread asks its Info
+    down_since: float | None = None  # monotonic time it went down (None: up, or never answered yet)
+    warn_at: float = 0.0  # when down: the next "still down" warning is due
+    warn_every: float = 0.0
     num_seqs: int = 0
 
     def connect(self) -> drafter_pb2_grpc.DrafterStub:
@@ -184,32 +214,42 @@ class RemoteDrafters:
 
     def __init__(
         self, addresses: Sequence[str], config: ServiceConfig, *, timeout: float = 10.0, retry_seconds: float = 2.0,
-        vocab_size: int = 0, max_block: int = 0,
+        vocab_size: int = 0, max_block: int = 0, grace_seconds: float = 0.25, grace_factor: float = 4.0,
     ) -> None:
         """With ``vocab_size`` and ``max_block`` (what the caller needs: the target's vocabulary
         and its block size) the pool starts even when no replica answers yet — in a cluster,
         drafters may come up after verifiers — and uses each replica once its Info agrees.
-        Without them, the first replica to answer defines them and one must answer now."""
+        Without them, the first replica to answer defines them and one must answer now (the
+        replicas' Info is asked here, on the caller's thread; later only in the background).
+
+        ``timeout`` is every RPC's deadline; ``grace_seconds`` and ``grace_factor`` bound how long
+        a call waits for a lagging part (module docstring: Failure)."""
         if not addresses:
             raise ValueError("RemoteDrafters needs at least one drafter address (host:port or dns:///name:port)")
+        if grace_seconds <= 0 or grace_factor < 1:
+            raise ValueError(f"need grace_seconds > 0 and grace_factor >= 1, got {grace_seconds} and {grace_factor}")
         self.addresses = list(addresses)
         self.config = config
         self.timeout = timeout
         self.retry_seconds = retry_seconds
+        self.grace_seconds = grace_seconds
+        self.grace_factor = grace_factor
         self.stats = PoolStats()
         self.version = ""
         """The newest drafter_version seen in an answer."""
         self.vocab_size = vocab_size
         self.max_block = max_block
-        self._lock = threading.Lock()  # replicas, sequences, stats
+        self._lock = threading.Lock()  # replicas' state, sequences, stats (no replica's lock is taken under it)
         self._rng = random.Random(secrets.randbits(64))  # placement ties: see the module docstring
         self._replicas: dict[str, _Replica] = {}
         self._resolved: dict[str, list[str]] = {}  # configured address -> replica addresses
         self._resolved_at = float("-inf")
         self._seqs: dict[int, _Sequence] = {}  # engine seq id -> its wire id and replica
         self._steps = itertools.count(1)
+        self._typical: float | None = None  # seconds a part takes (moving average of those waited for)
+        self._closed = threading.Event()  # stops the background probes
         self._executor = ThreadPoolExecutor(max_workers=16, thread_name_prefix="drafter-pool")
-        self._prepare()
+        self._prepare(wait=True)
         incompatible = [r.incompatible for r in self._replicas.values() if r.incompatible]
         if incompatible:
             self.close()
@@ -222,30 +262,32 @@ class RemoteDrafters:
 
     # ------------------------------------------------------------------ the drafter contract
     def draft(self, requests: list[DraftRequest]) -> list[DraftBlock]:
-        """One block per request, in order (parts on different replicas run concurrently)."""
-        return self._run(requests, self._draft_part)
+        """One block per request, in order (parts on different replicas run concurrently); an
+        empty block for a sequence whose replica is busy or lagging (module docstring)."""
+        return self._run(requests, self._draft_part, DraftBlock.empty)
 
     def speculate(self, requests: list[SpeculateRequest]) -> list[dict[Outcome, DraftBlock]]:
-        """Candidate blocks keyed by outcome (k, c) per request, in order."""
-        return self._run(requests, self._speculate_part)
+        """Candidate blocks keyed by outcome (k, c) per request, in order (none: busy or lagging)."""
+        return self._run(requests, self._speculate_part, dict)
 
     def release(self, seq_id: int) -> None:
-        """Forget a finished sequence here and on its replica. Never raises: a replica that
-        cannot be told evicts the sequence on its own (LRU)."""
+        """Forget a finished sequence here and on its replica. Never raises, never waits on a busy
+        or down replica, and on a lagging one only as a call does (a replica that is not told
+        evicts the sequence on its own, LRU)."""
         with self._lock:
             seq = self._seqs.pop(seq_id, None)
             if seq is None or seq.replica is None:
                 return
             replica = seq.replica
             replica.num_seqs -= 1
-        try:
-            with replica.lock:
-                if replica.stub is not None:
-                    replica.stub.Release(drafter_pb2.ReleaseRequest(seq_ids=[seq.wire_id]), timeout=self.timeout)
-        except grpc.RpcError as err:
-            self._mark_dead(replica, f"Release failed: {err.code().name}: {err.details()}")
+            if not replica.checked or replica.num_stragglers:
+                return
+        (outcome,) = self._wait([(replica, partial(self._release_on, replica, seq.wire_id))], learn=False)
+        if isinstance(outcome, _ReplicaFailed):
+            self._mark_dead(replica, str(outcome))
 
     def close(self) -> None:
+        self._closed.set()
         with self._lock:
             for replica in self._replicas.values():
                 replica.disconnect()
@@ -262,31 +304,38 @@ class RemoteDrafters:
         with self._lock:
             return {address: replica.num_seqs for address, replica in self._replicas.items()}
 
+    def states(self) -> dict[str, str]:
+        """Each replica's state: "live"; "busy" (a call stopped waiting for it and it has not
+        answered yet); "down" (failed, or not answered yet: probed in the background); or
+        "incompatible" (never used)."""
+        with self._lock:
+            return {address: _state(replica) for address, replica in self._replicas.items()}
+
     # ------------------------------------------------------------------ one call
-    def _run(self, requests: list[Request], part_fn: Callable[[_Replica, list[int], list[Request]], dict[int, T]]) -> list[T]:
-        """Split by replica, run the parts concurrently, retry failed parts once elsewhere."""
+    def _run(
+        self, requests: list[Request], part_fn: Callable[..., dict[int, T]], empty: Callable[[], T]
+    ) -> list[T]:
+        """Split by replica, run the parts concurrently, retry failed parts once elsewhere;
+        ``empty()`` for the sequences of busy replicas and of parts given up on."""
         if not requests:
             return []
         self._prepare()
+        seqs: list[_Sequence | None] = [None] * len(requests)  # filled by _split: a released one stays valid
         results: dict[int, T] = {}
         pending = list(range(len(requests)))
         errors: list[str] = []
         for attempt in range(2):
-            parts = self._split(pending, requests, errors)
-            if len(parts) == 1:
-                ((replica, part),) = parts.items()
-                outcomes = [(replica, part, self._attempt(part_fn, replica, part, requests))]
-            else:
-                futures = [
-                    (replica, part, self._executor.submit(self._attempt, part_fn, replica, part, requests))
-                    for replica, part in parts.items()
-                ]
-                outcomes = [(replica, part, future.result()) for replica, part, future in futures]
+            parts, skipped = self._split(pending, requests, seqs, errors)
+            results.update((i, empty()) for i in skipped)
+            jobs = [(replica, partial(part_fn, replica, part, requests, seqs)) for replica, part in parts.items()]
+            outcomes = self._wait(jobs, learn=True)
             pending = []
-            for replica, part, outcome in outcomes:
-                if isinstance(outcome, ValueError):
+            for (replica, part), outcome in zip(parts.items(), outcomes):
+                if isinstance(outcome, (ValueError, DrafterUnavailable)):
                     raise outcome
-                if isinstance(outcome, _ReplicaFailed):
+                if outcome is _GIVEN_UP:
+                    results.update((i, empty()) for i in part)
+                elif isinstance(outcome, _ReplicaFailed):
                     errors.append(str(outcome))
                     self._mark_dead(replica, str(outcome))
                     pending += part
@@ -299,49 +348,117 @@ class RemoteDrafters:
                 return [results[i] for i in range(len(requests))]
         raise DrafterUnavailable(f"drafter replicas failed twice in one call: {'; '.join(errors)}")
 
-    def _attempt(self, part_fn, replica: _Replica, part: list[int], requests: list) -> dict | Exception:
-        """Run one part; its failure is returned, so every part finishes before the call decides."""
-        try:
-            return part_fn(replica, part, requests)
-        except (ValueError, _ReplicaFailed) as err:
-            return err
-
-    def _split(self, indices: list[int], requests: Sequence[Request], errors: list[str]) -> dict[_Replica, list[int]]:
-        """Assign unplaced sequences (fewest live sequences first) and group indices by replica."""
-        now = time.monotonic()
-        parts: dict[_Replica, list[int]] = {}
+    def _wait(self, jobs: list[tuple[_Replica, Callable[[], object]]], *, learn: bool) -> list[object]:
+        """Run one job per replica concurrently and return their outcomes in order: a result, the
+        error it raised (ValueError, DrafterUnavailable, _ReplicaFailed), or _GIVEN_UP when it
+        outlived the grace (it goes on in the background; `_late` sees how it ends). ``learn``:
+        the jobs' times feed the typical part time."""
+        start = time.monotonic()
+        futures = {self._executor.submit(_attempt, job): i for i, (_, job) in enumerate(jobs)}
         with self._lock:
-            live = [r for r in self._replicas.values() if r.checked and r.dead_until <= now]
-            if not live:
+            typical = self._typical
+            # One usable replica: a lag stalls only its own sequences, so wait for it (to the deadline).
+            bounded = sum(r.checked for r in self._replicas.values()) > 1
+        outcomes: list[object] = [_GIVEN_UP] * len(jobs)
+        slowest: float | None = None  # the slowest job of this call that answered
+        running = set(futures)
+        while running:
+            # The grace scales with what answering takes (this call's answers, recent calls'): a part
+            # far slower than its peers runs on alone rather than hold every sequence of the step.
+            reference = max((t for t in (typical, slowest) if t is not None), default=None)
+            timeout = None
+            if bounded and reference is not None:
+                grace = max(self.grace_seconds, self.grace_factor * reference)
+                timeout = max(0.0, start + grace - time.monotonic())
+            done, running = wait(running, timeout=timeout, return_when=FIRST_COMPLETED)
+            if not done:
+                break  # the grace is over
+            seconds = time.monotonic() - start
+            for future in done:
+                outcomes[futures[future]] = outcome = future.result()
+                if not isinstance(outcome, Exception):
+                    slowest = seconds
+                    if learn:
+                        with self._lock:
+                            last = self._typical
+                            self._typical = seconds if last is None else last + TYPICAL_WEIGHT * (seconds - last)
+        for future in running:
+            replica = jobs[futures[future]][0]
+            with self._lock:
+                replica.num_stragglers += 1
+                self.stats.num_stragglers += 1
+            logger.info("drafter replica %s lags (no answer in %.2fs): its sequences get no block until it answers",
+                        replica.address, time.monotonic() - start)
+            future.add_done_callback(partial(self._late, replica))
+        return outcomes
+
+    def _late(self, replica: _Replica, future: Future) -> None:
+        """A job the call stopped waiting for has ended: its answer is dropped (the pool already
+        recorded what context the replica holds), its failure takes the replica out of use."""
+        with self._lock:
+            replica.num_stragglers -= 1
+        if future.cancelled():
+            return
+        outcome = future.result()
+        if isinstance(outcome, _ReplicaFailed):
+            self._mark_dead(replica, str(outcome))
+        elif isinstance(outcome, Exception):
+            logger.warning("a drafter call to %s that was not waited for failed: %s", replica.address, outcome)
+        else:
+            logger.info("drafter replica %s answered late (answer dropped); using it again", replica.address)
+
+    def _split(
+        self, indices: list[int], requests: Sequence[Request], seqs: list[_Sequence | None], errors: list[str]
+    ) -> tuple[dict[_Replica, list[int]], list[int]]:
+        """Assign unplaced sequences (fewest live sequences first, never to a busy replica) and
+        group indices by replica; also returns the indices left without a replica that can
+        answer now (they get no block)."""
+        parts: dict[_Replica, list[int]] = {}
+        skipped: list[int] = []
+        with self._lock:
+            usable = [r for r in self._replicas.values() if r.checked]
+            if not usable:
                 why = "; ".join(errors) or "every replica is down or not yet checked"
                 raise DrafterUnavailable(f"no drafter replica is reachable ({why}); addresses: {', '.join(self.addresses)}")
+            free = [r for r in usable if not r.num_stragglers]
             for i in indices:
                 seq = self._seqs.get(requests[i].seq_id)
                 if seq is None:
                     seq = self._seqs[requests[i].seq_id] = _Sequence(wire_id=secrets.randbits(63))
-                if seq.replica not in live:
+                seqs[i] = seq
+                if seq.replica not in usable:
                     if seq.replica is not None:
                         seq.replica.num_seqs -= 1
-                    fewest = min(r.num_seqs for r in live)
-                    seq.replica = self._rng.choice([r for r in live if r.num_seqs == fewest])
-                    seq.replica.num_seqs += 1
+                        seq.replica = None
+                    if free:
+                        fewest = min(r.num_seqs for r in free)
+                        seq.replica = self._rng.choice([r for r in free if r.num_seqs == fewest])
+                        seq.replica.num_seqs += 1
                     seq.sent = 0
-                parts.setdefault(seq.replica, []).append(i)
-        return parts
+                if seq.replica is None or seq.replica.num_stragglers:
+                    skipped.append(i)
+                else:
+                    parts.setdefault(seq.replica, []).append(i)
+        return parts, skipped
 
-    def _context(self, replica: _Replica, request: DraftRequest | SpeculateRequest) -> drafter_pb2.SequenceContext:
+    def _context(
+        self, replica: _Replica, request: DraftRequest | SpeculateRequest, seq: _Sequence
+    ) -> drafter_pb2.SequenceContext:
         """The request's context as a delta from what ``replica`` holds."""
         with self._lock:
-            seq = self._seqs[request.seq_id]
             start = seq.sent if seq.replica is replica and seq.sent <= len(request.context) else 0
         return drafter_pb2.SequenceContext(
             seq_id=seq.wire_id, context_start=start, tokens=request.context[start:], params=params_to_proto(request.params)
         )
 
-    def _answered(self, replica: _Replica, sent: Sequence[DraftRequest | SpeculateRequest],
-                  response: drafter_pb2.DraftResponse | drafter_pb2.SpeculateResponse, seconds: float) -> list:
-        """Record an answer (what the replica now holds, its version, the transport's share of
-        the ``seconds`` the call took); returns the requests it wants resent."""
+    def _answered(
+        self, replica: _Replica, batch: list[int], seqs: Sequence[_Sequence], sent: Sequence[drafter_pb2.SequenceContext],
+        response: drafter_pb2.DraftResponse | drafter_pb2.SpeculateResponse, seconds: float,
+    ) -> list[int]:
+        """Record an answer (what the replica now holds: what was ``sent``, not the request's
+        context, which a Draft shares with the engine and may have grown by a late answer; its
+        version; the transport's share of the ``seconds`` the call took); returns the indices it
+        wants resent."""
         again = []
         resend = set(response.resend)
         with self._lock:
@@ -349,50 +466,62 @@ class RemoteDrafters:
             self.stats.server_seconds += response.server_seconds
             self.stats.transport_seconds += max(0.0, seconds - response.server_seconds)
             self.version = response.drafter_version or self.version
-            for request in sent:
-                seq = self._seqs[request.seq_id]
+            for i, context in zip(batch, sent):
+                seq = seqs[i]
                 if seq.wire_id in resend:
                     seq.sent = 0
-                    again.append(request)
+                    again.append(i)
                 elif seq.replica is replica:
-                    seq.sent = len(request.context)
+                    seq.sent = context.context_start + len(context.tokens)
             self.stats.num_resends += len(again)
         return again
 
     # ------------------------------------------------------------------ parts
-    def _draft_part(self, replica: _Replica, part: list[int], requests: Sequence[DraftRequest]) -> dict[int, DraftBlock]:
-        def send(batch: list[DraftRequest]) -> tuple[drafter_pb2.DraftResponse, list]:
+    def _draft_part(
+        self, replica: _Replica, part: list[int], requests: Sequence[DraftRequest], seqs: Sequence[_Sequence]
+    ) -> dict[int, DraftBlock]:
+        def send(batch: list[int]) -> tuple[drafter_pb2.DraftRequest, drafter_pb2.DraftResponse, list]:
             message = drafter_pb2.DraftRequest(items=[
-                drafter_pb2.DraftItem(context=self._context(replica, r), block_size=r.block_size) for r in batch
+                drafter_pb2.DraftItem(
+                    context=self._context(replica, requests[i], seqs[i]), block_size=requests[i].block_size
+                )
+                for i in batch
             ])
             try:
                 response = replica.connect().Draft(message, timeout=self.timeout)
             except grpc.RpcError as err:
                 raise _verdict(replica, err) from err
-            return response, list(response.blocks)
+            return message, response, list(response.blocks)
 
         with replica.lock:
-            return self._exchange(replica, part, requests, send, lambda request, block: _block(replica, block))
+            return self._exchange(replica, part, seqs, send, lambda i, block: _block(replica, block))
 
     def _speculate_part(
-        self, replica: _Replica, part: list[int], requests: Sequence[SpeculateRequest]
+        self, replica: _Replica, part: list[int], requests: Sequence[SpeculateRequest], seqs: Sequence[_Sequence]
     ) -> dict[int, dict[Outcome, DraftBlock]]:
-        def send(batch: list[SpeculateRequest]) -> tuple[drafter_pb2.SpeculateResponse, list]:
+        def send(batch: list[int]) -> tuple[drafter_pb2.SpeculateRequest, drafter_pb2.SpeculateResponse, list]:
             message = drafter_pb2.SpeculateRequest(step=next(self._steps), items=[
                 drafter_pb2.SpeculateItem(
-                    context=self._context(replica, r), block=r.block, block_size=r.block_size, budget=r.budget
+                    context=self._context(replica, requests[i], seqs[i]), block=requests[i].block,
+                    block_size=requests[i].block_size, budget=requests[i].budget,
                 )
-                for r in batch
+                for i in batch
             ])
             if replica.stream is None:
                 replica.stream = _SpeculateStream(replica.connect(), replica.address)
             response = replica.stream.exchange(message, self.timeout)
-            return response, list(response.sequences)
+            return message, response, list(response.sequences)
+
+        def convert(i: int, sequence: drafter_pb2.SequenceCandidates) -> dict[Outcome, DraftBlock]:
+            if sequence.seq_id != seqs[i].wire_id:
+                raise _ReplicaFailed(f"{replica.address}: answered seq {sequence.seq_id} for seq {seqs[i].wire_id}")
+            if sequence.base_len != len(requests[i].context):
+                return {}  # stale: drafted for another context length
+            return {(c.accepted, c.token): _block(replica, c.block) for c in sequence.candidates}
 
         with replica.lock:
             try:
-                return self._exchange(replica, part, requests, send,
-                                      lambda request, sequence: self._candidates(replica, request, sequence))
+                return self._exchange(replica, part, seqs, send, convert)
             except grpc.RpcError as err:
                 self._drop_stream(replica)
                 raise _verdict(replica, err) from err
@@ -400,56 +529,60 @@ class RemoteDrafters:
                 self._drop_stream(replica)
                 raise
 
-    def _exchange(self, replica: _Replica, part: list[int], requests: Sequence, send, convert) -> dict:
+    def _exchange(self, replica: _Replica, part: list[int], seqs: Sequence[_Sequence], send, convert) -> dict:
         """Send ``part`` of ``requests`` (under the replica's lock) until the replica holds every
         context: what it asks for in ``resend`` goes again, whole; a second ask is a failure.
-        ``send(batch) -> (response, answers)`` with one answer per request, ``convert`` maps one."""
+        ``send(indices) -> (message, response, answers)`` with one answer per index, ``convert(i, answer)``."""
         results = {}
-        pending = {requests[i].seq_id: i for i in part}
+        pending = list(part)
         full = False
         while pending:
-            batch = [requests[i] for i in pending.values()]
             sent_at = time.perf_counter()
-            response, answers = send(batch)
-            if len(answers) != len(batch):
-                raise _ReplicaFailed(f"{replica.address}: {len(answers)} answers for {len(batch)} items")
-            again = self._answered(replica, batch, response, time.perf_counter() - sent_at)
-            resent = {r.seq_id for r in again}
-            for request, answer in zip(batch, answers):
-                if request.seq_id not in resent:
-                    results[pending[request.seq_id]] = convert(request, answer)
+            message, response, answers = send(pending)
+            if len(answers) != len(pending):
+                raise _ReplicaFailed(f"{replica.address}: {len(answers)} answers for {len(pending)} items")
+            sent = [item.context for item in message.items]
+            again = self._answered(replica, pending, seqs, sent, response, time.perf_counter() - sent_at)
+            resent = set(again)
+            for i, answer in zip(pending, answers):
+                if i not in resent:
+                    results[i] = convert(i, answer)
             if again and full:
                 raise _ReplicaFailed(f"{replica.address}: asked to resend contexts that were sent in full")
-            pending = {r.seq_id: pending[r.seq_id] for r in again}
+            pending = again
             full = True  # _answered reset `sent`, so a follow-up carries whole contexts
         return results
 
-    def _candidates(
-        self, replica: _Replica, request: SpeculateRequest, sequence: drafter_pb2.SequenceCandidates
-    ) -> dict[Outcome, DraftBlock]:
-        with self._lock:
-            wire_id = self._seqs[request.seq_id].wire_id
-        if sequence.seq_id != wire_id:
-            raise _ReplicaFailed(f"{replica.address}: answered seq {sequence.seq_id} for seq {wire_id}")
-        if sequence.base_len != len(request.context):
-            return {}  # stale: drafted for another context length
-        return {(c.accepted, c.token): _block(replica, c.block) for c in sequence.candidates}
+    def _release_on(self, replica: _Replica, wire_id: int) -> bool:
+        with replica.lock:
+            if replica.stub is None:
+                return False
+            try:
+                replica.stub.Release(drafter_pb2.ReleaseRequest(seq_ids=[wire_id]), timeout=self.timeout)
+            except grpc.RpcError as err:
+                raise _ReplicaFailed(f"{replica.address}: Release failed: {err.code().name}: {err.details()}") from err
+        return True
 
     # ------------------------------------------------------------------ replicas
-    def _prepare(self) -> None:
-        """Re-resolve names when due, and check (Info) replicas that are due to be tried."""
+    def _prepare(self, *, wait: bool = False) -> None:
+        """Re-resolve names when due, and check (Info) replicas never checked: on this thread
+        when ``wait`` (at start), else in the background. Replicas that failed have their probe."""
         now = time.monotonic()
         if now - self._resolved_at >= self.retry_seconds:
             self._refresh_addresses()
             self._resolved_at = now
         with self._lock:
             unchecked = [
-                r for r in self._replicas.values() if not r.checked and not r.incompatible and r.dead_until <= now
+                r for r in self._replicas.values() if not r.checked and not r.incompatible and not r.probing
             ]
-        if len(unchecked) == 1:
-            self._check(unchecked[0])
-        elif unchecked:
+            if not wait:
+                for replica in unchecked:
+                    replica.probing = True
+        if wait:
             list(self._executor.map(self._check, unchecked))
+        else:
+            for replica in unchecked:
+                self._start_probe(replica, 0.0)
 
     def _refresh_addresses(self) -> None:
         for address in self.addresses:
@@ -489,18 +622,67 @@ class RemoteDrafters:
                 return
             replica.checked = True
             self.version = self.version or info.drafter_version
+            down_since, replica.down_since = replica.down_since, None
+        if down_since is not None:
+            logger.info("drafter replica %s is back after %.1fs", replica.address, time.monotonic() - down_since)
+
+    def _start_probe(self, replica: _Replica, delay: float) -> None:
+        """A thread that asks ``replica``'s Info after ``delay``, then every ``retry_seconds``, until
+        it is usable (or incompatible, or gone, or the pool closes). The caller set ``probing``."""
+        def probe() -> None:
+            pause = delay
+            while True:
+                self._closed.wait(pause)
+                if self._probe_done(replica):
+                    return
+                self._check(replica)
+                if self._probe_done(replica):
+                    return
+                pause = self.retry_seconds
+
+        threading.Thread(target=probe, name=f"drafter-probe-{replica.address}", daemon=True).start()
+
+    def _probe_done(self, replica: _Replica) -> bool:
+        """Whether the probe can end (``probing`` is then cleared under the same lock, so a
+        failure after this starts a new probe rather than count on this one)."""
+        with self._lock:
+            done = (replica.checked or bool(replica.incompatible) or self._closed.is_set()
+                    or self._replicas.get(replica.address) is not replica)
+            replica.probing = not done
+            return done
 
     def _mark_dead(self, replica: _Replica, why: str) -> None:
-        """Out of use for ``retry_seconds``; its sequences move (with full contexts) on next use."""
-        logger.warning("drafter replica %s is down for %.1fs: %s", replica.address, self.retry_seconds, why)
+        """Out of use until a background Info answers (started here); its sequences move (with
+        full contexts) on next use. Logged as down once, then with backoff (module docstring)."""
+        if self._closed.is_set():
+            return
+        now = time.monotonic()
         with self._lock:
-            self.stats.num_replica_failures += 1
-            replica.dead_until = time.monotonic() + self.retry_seconds
             replica.checked = False  # Info again before its next use
             self._unplace(replica)
             self._resolved_at = float("-inf")  # re-resolve names on the next call
-        with replica.lock:  # never held here by this thread: parts return before failing over
+            if replica.down_since is None:  # it just went down
+                replica.down_since, replica.warn_every = now, self.retry_seconds
+                replica.warn_at = now + replica.warn_every
+                self.stats.num_replica_failures += 1
+                level = None
+            elif now >= replica.warn_at:  # still down: warnings back off exponentially, not one every retry
+                replica.warn_every = min(2 * replica.warn_every, MAX_WARNING_INTERVAL)
+                replica.warn_at = now + replica.warn_every
+                level = logging.WARNING
+            else:
+                level = logging.DEBUG
+            probe, replica.probing = not replica.probing, True
+            down_for = now - replica.down_since
+        if level is None:
+            logger.warning("drafter replica %s is down (%s): its sequences move to the others, its Info is asked "
+                           "every %.1fs in the background", replica.address, why, self.retry_seconds)
+        else:
+            logger.log(level, "drafter replica %s is still down after %.0fs: %s", replica.address, down_for, why)
+        with replica.lock:  # never held here by this thread: jobs return before their failure is handled
             replica.disconnect()
+        if probe:
+            self._start_probe(replica, self.retry_seconds)
 
     def _drop_stream(self, replica: _Replica) -> None:
         if replica.stream is not None:
@@ -513,6 +695,22 @@ class RemoteDrafters:
             if seq.replica is replica:
                 seq.replica, seq.sent = None, 0
         replica.num_seqs = 0
+
+
+def _attempt(job: Callable[[], object]) -> object:
+    """Run one job; its failure is returned, so every job finishes before the call decides."""
+    try:
+        return job()
+    except (ValueError, DrafterUnavailable, _ReplicaFailed) as err:
+        return err
+
+
+def _state(replica: _Replica) -> str:
+    if replica.incompatible:
+        return "incompatible"
+    if not replica.checked:
+        return "down"
+    return "busy" if replica.num_stragglers else "live"
 
 
 def _verdict(replica: _Replica, err: grpc.RpcError) -> Exception:

@@ -32,6 +32,23 @@ Design choices:
   that body (the OpenAI client raises it), then ``[DONE]``.
 - **A client that goes away cancels its request**, streaming or not, so the engine's rows are not
   spent on output nobody reads.
+- **Parameters a client sends are applied or refused, never silently ignored.** The penalties
+  (``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``), ``logit_bias``,
+  ``min_tokens`` and ``min_p`` shape the target distribution before verification, so speculation
+  stays lossless with respect to the processed distribution (as in vLLM). Fields that would change
+  the output in ways this server cannot honour (``tools``, ``response_format`` other than text,
+  vLLM's ``guided_*``, ``logprobs``, ``echo``, ...) are refused with a 400 that names them. Other
+  unknown fields (``user``, ``metadata``, ...) are accepted and ignored, as vLLM does. Every value
+  goes through `SamplingParams`: one rule set for HTTP and gRPC.
+- **Chat content** is a string or a list of ``{"type": "text"}`` parts (joined); roles are
+  ``system``, ``developer`` (rendered as ``system``, as OpenAI maps it for models without a
+  developer role), ``user``, ``assistant`` and ``tool``.
+- **Hostile input costs its sender, not the server**: a body above ``max_request_bytes`` is 413
+  before it is parsed; stop strings are bounded in count and length; text that is not valid
+  Unicode (a lone UTF-16 surrogate) is a 400; tokenisation runs off the event loop, so a long
+  prompt never stalls ``/health`` or other streams; a full queue is 429 with ``Retry-After``; an
+  unexpected failure is a 500 with OpenAI's body, never plain text. With an auth token set, the
+  interactive docs and ``/openapi.json`` are not served (they describe the API to anyone).
 """
 
 from __future__ import annotations
@@ -39,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import threading
 import time
 import uuid
@@ -57,9 +75,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer
 
-from specd.data.tokenizer import format_chat
+from specd.data.chat import ChatTemplate
 from specd.sampling import SamplingParams
-from specd.serving import ContextTooLong, RequestStream, ServingEngine
+from specd.serving import ContextTooLong, EngineStopped, QueueFull, RequestStream, ServingEngine
 
 __all__ = [
     "APIError",
@@ -71,8 +89,29 @@ __all__ = [
     "serve_http",
 ]
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """OpenAI's default ``max_tokens`` for ``/v1/completions``."""
+
+DEFAULT_MAX_REQUEST_BYTES = 2 << 20
+"""Largest request body: a prompt that fills a 32k-token context is a few hundred KB of JSON."""
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
+
+REFUSED_FIELDS: dict[str, str] = {
+    "tools": "tool calling", "tool_choice": "tool calling", "functions": "function calling",
+    "function_call": "function calling", "parallel_tool_calls": "tool calling",
+    "guided_json": "guided decoding", "guided_regex": "guided decoding", "guided_choice": "guided decoding",
+    "guided_grammar": "guided decoding", "structured_outputs": "structured outputs",
+    "use_beam_search": "beam search", "prompt_logprobs": "prompt log-probabilities",
+    "bad_words": "bad_words", "allowed_token_ids": "allowed_token_ids",
+    "truncate_prompt_tokens": "prompt truncation", "logits_processors": "custom logits processors",
+    "audio": "audio output", "include_stop_str_in_output": "stop strings in the output",
+}
+"""Fields that change the output and that this server cannot honour, with what they ask for.
+A value that asks for nothing (null, false, an empty list, ``tool_choice`` "none") is accepted."""
 
 
 # ---------------------------------------------------------------------------- errors
@@ -130,6 +169,78 @@ async def _validation_error_handler(request: Request, error: RequestValidationEr
     return APIError(400, message, param=params[0] if params else None).response()
 
 
+async def _unexpected_error_handler(request: Request, error: Exception) -> JSONResponse:
+    # A bug, not the client's doing: OpenAI's body (clients parse it), the traceback in the log.
+    logger.error("unexpected error in %s %s", request.method, request.url.path, exc_info=error)
+    return APIError(500, f"internal error ({type(error).__name__}): the server goes on serving; retry the request, "
+                         "and report it if it fails again", type="server_error").response()
+
+
+class _BodyLimit:
+    """ASGI middleware: a request body above ``max_bytes`` is answered 413 before it is parsed,
+    whether it announces its length (Content-Length) or streams it (chunked).
+
+    The rest of the body is read and dropped before answering, up to ``drain_bytes``: a client
+    that writes its whole body before reading (most do) would otherwise see a broken pipe instead
+    of the 413. Past that (or announced past it) the answer comes at once and the connection
+    closes.
+    """
+
+    def __init__(self, app, max_bytes: int, drain_bytes: int = 64 << 20) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.drain_bytes = drain_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            if int(declared) <= self.drain_bytes:
+                await self._drain(receive, 0)
+            return await self._refuse(send)
+        seen, refused = 0, False
+
+        async def limited():
+            nonlocal seen, refused
+            message = await receive()
+            if message["type"] == "http.request" and not refused:
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    # Answer now; the app then sees a client that went away, and what it would
+                    # send is dropped (FastAPI turns any error raised while reading into a 400).
+                    refused = True
+                    if message.get("more_body", False):
+                        await self._drain(receive, seen)
+                    await self._refuse(send)
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message) -> None:
+            if not refused:
+                await send(message)
+
+        await self.app(scope, limited, guarded_send)
+
+    async def _drain(self, receive, seen: int) -> None:
+        while seen <= self.drain_bytes:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            seen += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
+
+    async def _refuse(self, send) -> None:
+        error = APIError(413, f"the request body is above the limit of {self.max_bytes} bytes: send a shorter "
+                              "prompt (the model's context bounds it anyway)", code="request_too_large")
+        body = json.dumps(error.body()).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
 async def _http_error_handler(request: Request, error: StarletteHTTPException) -> JSONResponse:
     message = (
         f"{error.detail}: {request.method} {request.url.path}; this server answers POST /v1/completions, "
@@ -158,6 +269,17 @@ class _GenerationRequest(BaseModel):
     top_k: int | None = None
     """Extension: keep the k most likely tokens (0 or -1 = all)."""
     seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    """Extension (vLLM's): CTRL's penalty on tokens of the prompt and output (1 = off)."""
+    logit_bias: dict[str, float] | None = None
+    """Token id (as a string, as JSON keys are) -> bias added to its logit, in [-100, 100]."""
+    min_tokens: int | None = None
+    """Extension (vLLM's): stop tokens are not emitted before this many tokens."""
+    min_p: float | None = None
+    """Extension (vLLM's): drop tokens below min_p times the most likely one's probability."""
+    response_format: dict[str, Any] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
     """Extension: token ids that end generation, besides the model's own stop tokens."""
@@ -176,11 +298,37 @@ class CompletionRequest(_GenerationRequest):
     suffix: str | None = None
 
 
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    """Text, or text parts (joined); None only where OpenAI allows it (an assistant turn)."""
+
+    def text(self, index: int) -> str:
+        """The message's text; 400 for content this text-only model cannot read."""
+        where = f"messages.{index}.content"
+        if self.content is None:
+            if self.role != "assistant":
+                raise APIError(400, f"{where} is missing: a {self.role} message needs content", param=where)
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise APIError(400, f"{where}.{j}: content parts of type {part.type!r} are not supported: this "
+                                    "model reads text only (send {\"type\": \"text\", \"text\": ...} parts)",
+                               param=f"{where}.{j}")
+            texts.append(part.text)
+        return "".join(texts)
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -205,11 +353,61 @@ def _check_n(n: int | None) -> None:
         )
 
 
+def _reject_refused(body: BaseModel) -> None:
+    """400 for a field in `REFUSED_FIELDS` (among the request's unknown fields) that asks for
+    something, and for a ``response_format`` other than text."""
+    extra = body.model_extra or {}
+    for name, what in REFUSED_FIELDS.items():
+        value = extra.get(name)
+        if value in (None, False, [], {}, "none") :
+            continue
+        raise APIError(400, f"{name}: {what} is not supported by this server: remove {name} from the request",
+                       param=name)
+    response_format = getattr(body, "response_format", None)
+    if response_format is not None and response_format.get("type", "text") != "text":
+        raise APIError(400, f"response_format {response_format.get('type')!r} is not supported by this server "
+                            "(structured output is not implemented): remove response_format or use {\"type\": \"text\"}",
+                       param="response_format")
+
+
+def _check_text(text: str, param: str) -> None:
+    """400 for text that is not valid Unicode (a lone UTF-16 surrogate, which JSON can carry as
+    an escape but no tokenizer can read)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        bad = ord(text[error.start])
+        raise APIError(400, f"{param} is not valid Unicode: a lone surrogate U+{bad:04X} at character "
+                            f"{error.start} (send UTF-8 text; surrogates must come in pairs)", param=param) from None
+
+
 def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if "" in strings:
         raise APIError(400, "stop strings must not be empty: remove the empty string from stop", param="stop")
+    if len(strings) > MAX_STOP_STRINGS:
+        raise APIError(400, f"{len(strings)} stop strings, above the limit of {MAX_STOP_STRINGS}: send fewer",
+                       param="stop")
+    for string in strings:
+        if len(string) > MAX_STOP_CHARS:
+            raise APIError(400, f"a stop string of {len(string)} characters is above the limit of {MAX_STOP_CHARS}: "
+                                "send shorter stop strings", param="stop")
+        _check_text(string, "stop")
     return strings
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """JSON's string keys -> token ids; 400 for a key that is not one."""
+    if not bias:
+        return None
+    parsed = {}
+    for key, value in bias.items():
+        try:
+            parsed[int(key)] = value
+        except ValueError:
+            raise APIError(400, f"logit_bias keys must be token ids (integers as strings), got {key!r}",
+                           param="logit_bias") from None
+    return parsed
 
 
 # ---------------------------------------------------------------------------- one request
@@ -253,8 +451,22 @@ def _stable_end(text: str, stop: Sequence[str], start: int) -> int:
     the next token may complete the string, which must then never have been sent.
     """
     end = len(text.rstrip("\ufffd"))
-    held = max((n for s in stop for n in range(1, len(s)) if text.endswith(s[:n], start, end)), default=0)
-    return max(start, end - held)
+    return max(start, end - max((_held(text, s, start, end) for s in stop), default=0))
+
+
+def _held(text: str, stop: str, start: int, end: int) -> int:
+    """The length of the longest tail of ``text[start:end]`` that is a proper prefix of ``stop``.
+
+    Only the places where ``stop``'s first character occurs are tried (leftmost first, so the
+    first match is the longest): linear in the tail, not quadratic in the stop string.
+    """
+    lo = max(start, end - len(stop) + 1)
+    i = text.find(stop[0], lo, end)
+    while i >= 0:
+        if stop.startswith(text[i:end]):
+            return end - i
+        i = text.find(stop[0], i + 1, end)
+    return 0
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -277,13 +489,17 @@ class _OpenAIServer:
     """The route handlers; `build_app` wires them up."""
 
     def __init__(
-        self, engine: ServingEngine, tokenizer: Tokenizer, model_name: str, default_stop_token_ids: Sequence[int]
+        self, engine: ServingEngine, tokenizer: Tokenizer, model_name: str, default_stop_token_ids: Sequence[int],
+        chat_template: ChatTemplate,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
         self.model_name = model_name
         self.default_stop_token_ids = tuple(default_stop_token_ids)
         self.created = int(time.time())
+        # The most characters one token stands for: a bound on how long a prompt that fits can be.
+        self.max_token_chars = max(len(token) for token in tokenizer.get_vocab())
 
     # ------------------------------------------------------------------ routes
     def models(self) -> dict[str, Any]:
@@ -300,6 +516,7 @@ class _OpenAIServer:
             "echo": bool(body.echo), "logprobs": body.logprobs is not None,
             "best_of": body.best_of not in (None, 1), "suffix": body.suffix is not None,
         })
+        _reject_refused(body)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) > 1:
@@ -308,7 +525,11 @@ class _OpenAIServer:
                     "(the server batches concurrent requests)", param="prompt",
                 )
             (prompt,) = prompt
-        prompt_ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else prompt
+        if isinstance(prompt, str):
+            _check_text(prompt, "prompt")
+            prompt_ids = await self._encode(prompt)
+        else:
+            prompt_ids = prompt
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         run = self._submit(body, f"cmpl-{uuid.uuid4().hex}", prompt_ids, max_tokens)
         if body.stream:
@@ -324,12 +545,17 @@ class _OpenAIServer:
         self._check_model(body.model)
         _check_n(body.n)
         _reject_unsupported({"logprobs": bool(body.logprobs), "top_logprobs": body.top_logprobs is not None})
+        _reject_refused(body)
+        messages = []
+        for i, message in enumerate(body.messages):
+            content = message.text(i)
+            _check_text(content, f"messages.{i}.content")
+            messages.append({"role": "system" if message.role == "developer" else message.role, "content": content})
         try:
-            text = format_chat([{"role": m.role, "content": m.content} for m in body.messages],
-                               add_generation_prompt=True)
+            text = self.chat_template.render(messages, add_generation_prompt=True)
         except ValueError as error:
-            raise APIError(400, f"{error}: remove it from the message content", param="messages") from error
-        prompt_ids = self.tokenizer.encode(text).ids
+            raise APIError(400, str(error), param="messages") from error
+        prompt_ids = await self._encode(text)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:
             # As vLLM: the rest of the context (at least 1, so a prompt that fills it all is refused
@@ -356,25 +582,55 @@ class _OpenAIServer:
                 code="model_not_found", param="model",
             )
 
-    def _submit(self, body: _GenerationRequest, request_id: str, prompt_ids: Sequence[int], max_tokens: int) -> _Run:
-        """Build the sampling params and queue the request; 400/503 for what the engine refuses."""
-        stop = _stop_strings(body.stop)
+    async def _encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, on a worker thread: a long prompt must not stall the event loop.
+
+        ``encode_batch`` rather than ``encode``: only the batch call lets go of the GIL while it
+        works. A text so long that even the longest tokens could not fit it into the context is
+        refused before it is tokenised at all.
+        """
+        if len(text) > self.max_token_chars * self.engine.max_model_len:
+            raise APIError(400, f"the prompt has {len(text)} characters: it cannot fit in this model's context of "
+                                f"{self.engine.max_model_len} tokens; shorten it", code="context_length_exceeded")
+        return (await asyncio.to_thread(self.tokenizer.encode_batch, [text]))[0].ids
+
+    def _params(self, body: _GenerationRequest, max_tokens: int) -> SamplingParams:
+        """The request's `SamplingParams` (the one rule set HTTP and gRPC share); 400 naming the
+        field for a value out of range."""
         stop_token_ids = (() if body.ignore_eos else self.default_stop_token_ids) + tuple(body.stop_token_ids)
+        optional = lambda value, default: default if value is None else value  # noqa: E731
         try:
-            params = SamplingParams(
+            return SamplingParams(
                 max_tokens=max_tokens,
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p,
+                temperature=optional(body.temperature, 1.0),
+                top_p=optional(body.top_p, 1.0),
                 top_k=0 if body.top_k in (None, -1) else body.top_k,  # -1 = off, vLLM's convention
+                min_p=optional(body.min_p, 0.0),
                 seed=body.seed,
                 stop_token_ids=tuple(dict.fromkeys(stop_token_ids)),
+                min_tokens=optional(body.min_tokens, 0),
+                presence_penalty=optional(body.presence_penalty, 0.0),
+                frequency_penalty=optional(body.frequency_penalty, 0.0),
+                repetition_penalty=optional(body.repetition_penalty, 1.0),
+                logit_bias=_logit_bias(body.logit_bias),
             )
+        except ValueError as error:
+            raise APIError(400, str(error), param=str(error).split(" ", 1)[0]) from error
+
+    def _submit(self, body: _GenerationRequest, request_id: str, prompt_ids: Sequence[int], max_tokens: int) -> _Run:
+        """Build the sampling params and queue the request; 400/429/503 for what the engine refuses."""
+        stop = _stop_strings(body.stop)
+        params = self._params(body, max_tokens)
+        try:
             stream = self.engine.submit(prompt_ids, params, request_id=request_id)
         except ContextTooLong as error:
             raise APIError(400, str(error), code="context_length_exceeded") from error
         except ValueError as error:
             raise APIError(400, str(error)) from error
-        except RuntimeError as error:  # the engine is shutting down
+        except QueueFull as error:
+            raise APIError(429, str(error), type="server_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": "1"}) from error
+        except EngineStopped as error:  # shutting down, or the engine died
             raise _not_ready() from error
         return _Run(
             id=request_id, created=int(time.time()), model=self.model_name, num_prompt_tokens=len(prompt_ids),
@@ -393,6 +649,9 @@ class _OpenAIServer:
             async for delta in run.stream:
                 if delta.finish_reason == "abort":  # not ours: we stop reading once we cancel
                     raise _not_ready()
+                if delta.finish_reason == "error":  # this request alone failed in the engine
+                    raise APIError(500, f"the request failed in the engine: {delta.error}; the server goes on "
+                                        "serving: retry it, and report it if it fails again", type="server_error")
                 token_ids += delta.token_ids
                 run.num_completion_tokens = len(token_ids)
                 finish_reason = delta.finish_reason
@@ -487,23 +746,34 @@ def build_app(
     is_ready: Callable[[], bool] = lambda: True,
     registry: prometheus_client.CollectorRegistry = prometheus_client.REGISTRY,
     default_stop_token_ids: Sequence[int] = (),
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    chat_template: ChatTemplate | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible API of ``engine`` (module docstring).
 
     ``model_name`` is the only model clients may name; ``is_ready`` gates generation and
-    ``/health`` (False while loading weights or draining); ``registry`` is what ``/metrics``
-    exposes; ``default_stop_token_ids`` are the model's stop tokens (e.g. ``<|im_end|>``).
+    ``/health`` (False while loading weights or draining; a dead engine is never ready);
+    ``registry`` is what ``/metrics`` exposes; ``default_stop_token_ids`` are the model's stop
+    tokens (e.g. ``<|im_end|>``); ``max_request_bytes`` bounds a request body; ``chat_template``
+    renders chat messages (default: the zoo's format).
     """
-    server = _OpenAIServer(engine, tokenizer, model_name, default_stop_token_ids)
+    server = _OpenAIServer(engine, tokenizer, model_name, default_stop_token_ids, chat_template or ChatTemplate())
+
+    def serving() -> bool:
+        return engine.alive and is_ready()
 
     async def ready() -> None:
-        if not is_ready():
+        if not serving():
             raise _not_ready()
 
-    app = FastAPI(title="specd verifier", summary="OpenAI-compatible API with lossless speculative decoding")
+    # The docs describe every route to whoever asks: not without the token that guards them.
+    docs = {} if not auth_token else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="specd verifier", summary="OpenAI-compatible API with lossless speculative decoding", **docs)
     app.add_exception_handler(APIError, _api_error_handler)
     app.add_exception_handler(RequestValidationError, _validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, _http_error_handler)
+    app.add_exception_handler(Exception, _unexpected_error_handler)
+    app.add_middleware(_BodyLimit, max_bytes=max_request_bytes)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_authorization(auth_token))] if auth_token else [])
     v1.add_api_route("/models", server.models, methods=["GET"])
@@ -513,7 +783,7 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        if not is_ready():
+        if not serving():
             return _not_ready().response()
         return Response(status_code=200)
 

@@ -3,10 +3,22 @@
 A request carries proposal trees (one per sequence: the reference context, the tree hanging off
 it, and the context rows whose next-token distribution is wanted too). The handler checks the
 request against the target, runs `specd.train.specopd.LocalScorer` (prefill, then one packed tree
-pass) under the lock the verifier's engine thread also takes for the target, and answers with,
-per sequence, the rows' full fp32 probabilities (``top_k = 0``) or their top-k log-probs and the
-log of the mass outside them (``top_k > 0``: ``k`` ids + ``k`` log-probs + 1 float per row
-instead of ``vocab`` floats).
+pass) and answers with, per sequence, the rows' full fp32 probabilities (``top_k = 0``) or their
+top-k log-probs and the log of the mass outside them (``top_k > 0``: ``k`` ids + ``k`` log-probs
++ 1 float per row instead of ``vocab`` floats).
+
+The target is shared with generation, whose engine holds the same lock (`ServingEngine.target_lock`)
+around every step. A Score call therefore never holds it for the whole request: the sequences
+are scored in *chunks*, runs of consecutive sequences whose padded pass (sequences x (longest
+context + most tree nodes)) fits ``max_chunk_tokens``, a larger sequence alone; the lock is taken
+for one chunk and released before the next, with a short pause, because a `threading.Lock` is not
+FIFO and the releasing thread would otherwise take it straight back. So an engine step waits for
+at most one chunk: ``max_chunk_tokens``, or one sequence of at most ``max_model_len`` context
+tokens and its tree, about what the engine's own prefill of a full-length prompt costs. On an
+accelerator the chunk's kernels are waited for before the lock is released, or its queued work
+would still be ahead of the next step's. Chunks change only how sequences are padded together;
+each sequence's numbers are what one pass over the whole request gives, up to fp32 rounding
+(`tests/unit/test_score_service.py` compares them).
 
 With ``ScoreRequest.channel`` (full distributions only), the probabilities go over a tensor
 channel instead (`services.common.tensor_channel`): the answer holds each result's shape and dtype
@@ -16,9 +28,14 @@ process, NCCL on a CPU target, broken) is declined: that call is answered with t
 and ``channel_error`` says why. Malformed channel parameters are INVALID_ARGUMENT.
 
 Bad input never reaches the model: ids outside the vocabulary, a malformed tree, an anchor
-beyond its context or a context row outside it are INVALID_ARGUMENT; a request above the
-handler's size limits (tree nodes, context tokens, answer bytes) is RESOURCE_EXHAUSTED, with the
-limit in the message so the caller can split it or ask for top-k.
+beyond its context or a context row outside it are INVALID_ARGUMENT, and so is a sequence that
+does not fit the model's context (its context, or a tree node's position anchor + depth, at or
+past ``max_model_len``), as generation refuses a prompt that does not fit (gRPC
+INVALID_ARGUMENT, HTTP 400 ``context_length_exceeded``): it is wrong for this model whatever the
+load, and splitting the request would not help. A request above the handler's size limits is
+RESOURCE_EXHAUSTED, with the limit in the message so the caller can split it or ask for top-k:
+tree nodes, the per-call budget of tokens run through the target (context tokens + tree nodes,
+summed over the sequences), answer bytes.
 """
 
 from __future__ import annotations
@@ -26,6 +43,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -41,6 +59,10 @@ from specd.tree import TokenTree
 
 logger = logging.getLogger(__name__)
 
+HANDOFF_SECONDS = 1e-3
+"""The pause between two chunks: long enough for a thread blocked on the target lock to wake and
+take it (a `threading.Lock` hands it to no one in particular), short beside a chunk's pass."""
+
 
 @dataclass(kw_only=True, slots=True)
 class _Sequence:
@@ -52,22 +74,31 @@ class _Sequence:
 class ScoreHandler:
     """The Score method's body; the verifier servicer calls it with its request and context.
 
-    ``max_nodes`` and ``max_context_tokens`` bound one request's tree nodes and context tokens
-    (summed over its sequences); ``max_response_bytes`` bounds the answer (at most the gRPC
-    message limit the services are configured with, because a declined channel is answered over
-    gRPC). ``max_channels`` bounds the tensor channels kept joined; `close` leaves them all.
+    ``lock`` is the one the serving engine holds around each step (``engine.target_lock``);
+    ``max_model_len`` the longest sequence the model takes (the engine's ``max_model_len``;
+    None = the model's ``max_position_embeddings``). ``max_nodes`` bounds one request's tree
+    nodes and ``max_call_tokens`` the tokens it runs through the target (context tokens + tree
+    nodes, summed over its sequences); ``max_chunk_tokens`` bounds the padded tokens of the pass
+    made per lock hold (module docstring). ``max_response_bytes`` bounds the answer (at most the
+    gRPC message limit the services are configured with, because a declined channel is answered
+    over gRPC). ``max_channels`` bounds the tensor channels kept joined; `close` leaves them all.
     """
 
-    def __init__(self, target: nn.Module, lock: threading.Lock, *, max_nodes: int = 32768,
-                 max_context_tokens: int = 262144, max_response_bytes: int = MAX_MESSAGE_BYTES - (1 << 20),
-                 max_channels: int = 64) -> None:
+    def __init__(self, target: nn.Module, lock: threading.Lock, *, max_model_len: int | None = None,
+                 max_nodes: int = 32768, max_call_tokens: int = 262144, max_chunk_tokens: int = 4096,
+                 max_response_bytes: int = MAX_MESSAGE_BYTES - (1 << 20), max_channels: int = 64) -> None:
+        if max_chunk_tokens < 1:
+            raise ValueError(f"max_chunk_tokens must be >= 1, got {max_chunk_tokens}")
         self.target = target
         self.lock = lock
         self.vocab_size: int = target.config.vocab_size
+        self.max_model_len: int = max_model_len or target.config.max_position_embeddings
         self.max_nodes = max_nodes
-        self.max_context_tokens = max_context_tokens
+        self.max_call_tokens = max_call_tokens
+        self.max_chunk_tokens = max_chunk_tokens
         self.max_response_bytes = max_response_bytes
-        self.channels = VerifierChannels(next(target.parameters()).device, max_channels)
+        self.device = next(target.parameters()).device
+        self.channels = VerifierChannels(self.device, max_channels)
 
     def __call__(self, request: verifier_pb2.ScoreRequest, context: grpc.ServicerContext) -> verifier_pb2.ScoreResponse:
         temperature = self._temperature(request, context)
@@ -98,10 +129,38 @@ class ScoreHandler:
 
     # ------------------------------------------------------------------ scoring
     def _score(self, sequences: list[_Sequence], temperature: float) -> list[Tensor]:
-        with self.lock:
-            return LocalScorer(self.target, temperature).score(
-                [s.context for s in sequences], [s.tree for s in sequences], [s.rows for s in sequences]
-            )
+        """Each sequence's probabilities [rows, vocab] fp32, one chunk per hold of the target lock."""
+        probs: list[Tensor] = []
+        for index, chunk in enumerate(self._chunks(sequences)):
+            if index:
+                time.sleep(HANDOFF_SECONDS)  # an engine step waiting for the target goes first
+            with self.lock:
+                probs.extend(LocalScorer(self.target, temperature).score(
+                    [s.context for s in chunk], [s.tree for s in chunk], [s.rows for s in chunk]
+                ))
+                if self.device.type != "cpu":
+                    # Kernels still queued when the lock is released would run ahead of the next
+                    # engine step all the same: the hold is only bounded if the chunk has finished.
+                    torch.accelerator.synchronize(self.device)
+        return probs
+
+    def _chunks(self, sequences: list[_Sequence]) -> list[list[_Sequence]]:
+        """Consecutive runs of sequences whose padded pass fits ``max_chunk_tokens`` (at least one each).
+
+        `LocalScorer` pads a chunk's contexts to the longest and its trees to the largest, so a
+        chunk costs ``len(chunk) * (longest context + most nodes)`` tokens.
+        """
+        chunks: list[list[_Sequence]] = []
+        longest = most_nodes = 0
+        for sequence in sequences:
+            context, nodes = max(longest, len(sequence.context)), max(most_nodes, sequence.tree.num_nodes)
+            if chunks and (len(chunks[-1]) + 1) * (context + nodes) <= self.max_chunk_tokens:
+                chunks[-1].append(sequence)
+                longest, most_nodes = context, nodes
+            else:
+                chunks.append([sequence])
+                longest, most_nodes = len(sequence.context), sequence.tree.num_nodes
+        return chunks
 
     def _answer(self, sequences: list[_Sequence], temperature: float, top_k: int,
                 channel_error: str = "") -> verifier_pb2.ScoreResponse:
@@ -136,16 +195,17 @@ class ScoreHandler:
                 abort(context, invalid, "a tensor channel carries full distributions only: send top_k = 0 with a "
                                         "channel, or no channel for top-k")
         num_nodes = sum(len(s.tree.tokens) for s in request.sequences)
-        num_context = sum(len(s.context) for s in request.sequences)
+        num_tokens = num_nodes + sum(len(s.context) for s in request.sequences)
         num_rows = num_nodes + sum(len(s.context_rows) for s in request.sequences)
         row_bytes = 4 * self.vocab_size if request.top_k == 0 else 8 * request.top_k + 4
         exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED
         if num_nodes > self.max_nodes:
             abort(context, exhausted, f"{num_nodes} tree nodes in one request, above the limit of {self.max_nodes}: "
                                       "split the sequences over several requests")
-        if num_context > self.max_context_tokens:
-            abort(context, exhausted, f"{num_context} context tokens in one request, above the limit of "
-                                      f"{self.max_context_tokens}: split the sequences over several requests")
+        if num_tokens > self.max_call_tokens:
+            abort(context, exhausted, f"{num_tokens} tokens (context tokens + tree nodes) in one request, above the "
+                                      f"per-call budget of {self.max_call_tokens} tokens: split the sequences over "
+                                      "several requests")
         if num_rows * row_bytes > self.max_response_bytes:
             abort(context, exhausted, f"the answer would take {num_rows * row_bytes} bytes ({num_rows} rows), above "
                                       f"{self.max_response_bytes}: ask for top_k > 0 or send fewer sequences per request")
@@ -166,12 +226,35 @@ class ScoreHandler:
             if tree.num_nodes and int(tree.anchors.max()) > len(ids):
                 abort(context, invalid, f"{where}: tree anchor {int(tree.anchors.max())} is beyond its context "
                                         f"of {len(ids)} tokens (anchors index into the context)")
+            self._check_fits(len(ids), sequence.tree, where, context)
             rows = list(sequence.context_rows)
             bad = next((r for r in rows if not 0 <= r < len(ids)), None)
             if bad is not None:
                 abort(context, invalid, f"{where}: context row {bad} is outside its context [0, {len(ids)})")
             parsed.append(_Sequence(context=ids, tree=tree, rows=rows))
         return parsed
+
+    def _check_fits(self, context_len: int, tree: common_pb2.TokenTree, where: str,
+                    context: grpc.ServicerContext) -> None:
+        """INVALID_ARGUMENT unless the context and every tree node's position fit ``max_model_len``.
+
+        A node's position is its anchor + its depth (`TokenTree.positions`); computed here from the
+        parent list in one sweep (parents come first), not with the tree's [nodes, nodes] mask.
+        """
+        limit = self.max_model_len
+        if context_len > limit:
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                  f"{where}: the context has {context_len} tokens, but this model's context is {limit} tokens: "
+                  "shorten the context (context_length_exceeded)")
+        depths: list[int] = []
+        for parent in tree.parents:
+            depths.append(0 if parent < 0 else depths[parent] + 1)
+        last = max((a + d for a, d in zip(tree.anchors, depths)), default=-1)
+        if last >= limit:
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                  f"{where}: a tree node sits at position {last} (anchor + depth), but this model's context is "
+                  f"{limit} tokens (positions 0 to {limit - 1}): anchor the branches earlier or shorten them "
+                  "(context_length_exceeded)")
 
     # ------------------------------------------------------------------ answers
     @staticmethod

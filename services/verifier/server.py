@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,11 +46,12 @@ from services.verifier.score import ScoreHandler
 from services.verifier.traces import TraceWriter
 from specd._proto.v1 import verifier_pb2, verifier_pb2_grpc
 from specd.data import load_tokenizer
+from specd.data.chat import ChatTemplate
 from specd.engine import EngineConfig
 from specd.models.attention import BACKENDS
 from specd.models.loading import ModelLoadError, load_model
 from specd.parallel import tensor_parallel
-from specd.serving import FinishedRequest, ServingEngine
+from specd.serving import Delta, EngineStopped, FinishedRequest, QueueFull, ServingEngine
 
 logger = logging.getLogger("specd.verifier")
 
@@ -70,6 +73,9 @@ class VerifierConfig(ServiceConfig):
     http_host: str = field(default="127.0.0.1", metadata={"help": "address the HTTP API binds"})
     http_port: int = field(default=8000, metadata={"help": "port of the OpenAI-compatible HTTP API (-1 = none)"})
     max_num_seqs: int = field(default=16, metadata={"help": "sequences decoded together"})
+    max_waiting: int = field(default=256, metadata={
+        "help": "requests queued for a free row at most; past it HTTP answers 429 and gRPC RESOURCE_EXHAUSTED (0 = no limit)"})
+    max_request_bytes: int = field(default=2 << 20, metadata={"help": "largest HTTP request body (413 above it)"})
     max_model_len: int = field(default=0, metadata={"help": "longest prompt + output (0 = the model's)"})
     block_size: int = field(default=8, metadata={"help": "most drafted tokens verified per sequence per pass"})
     mode: str = field(default="async", metadata={"help": "async: draft during verification (D3D); sync: after"})
@@ -101,6 +107,9 @@ class VerifierConfig(ServiceConfig):
             self.port = 50051
         if self.draft_headroom < 0:
             raise ValueError(f"draft_headroom must be >= 0 (0 = full blocks), got {self.draft_headroom}")
+        if self.max_waiting < 0 or self.max_request_bytes < 1:
+            raise ValueError(f"max_waiting must be >= 0 and max_request_bytes >= 1, got {self.max_waiting}, "
+                             f"{self.max_request_bytes}")
         if self.tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
         if self.tensor_parallel > 1 and self.cuda_graphs:
@@ -124,27 +133,39 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             stream = self.engine.submit(list(request.prompt_token_ids), params, request_id=request.request_id or None)
         except ValueError as err:
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        except RuntimeError as err:  # shutting down
+        except QueueFull as err:
+            abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+        except EngineStopped as err:  # shutting down, or the engine died
             abort(context, grpc.StatusCode.UNAVAILABLE, str(err))
         context.add_callback(stream.cancel)  # the client went away: stop decoding for it
         with self.tracer.start_as_current_span("generate") as span:
             span.set_attribute("specd.prompt_tokens", len(request.prompt_token_ids))
-            for delta in stream:
-                message = verifier_pb2.GenerateResponse(request_id=stream.request_id, token_ids=delta.token_ids)
-                if delta.finish_reason is not None:
-                    message.finish_reason = delta.finish_reason
-                    if delta.usage is not None:
-                        message.usage.CopyFrom(verifier_pb2.Usage(
-                            prompt_tokens=delta.usage.prompt_tokens, completion_tokens=delta.usage.completion_tokens,
-                            target_passes=delta.usage.target_passes,
-                            mean_accepted_length=delta.usage.mean_accepted_length,
-                        ))
-                    span.set_attribute("specd.completion_tokens", delta.usage.completion_tokens if delta.usage else 0)
-                yield message
+            try:
+                for delta in stream:
+                    if delta.finish_reason == "error":  # this request alone failed; the others go on
+                        abort(context, grpc.StatusCode.INTERNAL,
+                              f"the request failed in the engine: {delta.error}; retry it, and report it if it repeats")
+                    yield _response(stream.request_id, delta)
+                    if delta.finish_reason is not None:
+                        span.set_attribute("specd.completion_tokens", delta.usage.completion_tokens if delta.usage else 0)
+            except EngineStopped as err:  # the engine died while this stream was open
+                abort(context, grpc.StatusCode.UNAVAILABLE, f"{err}: retry on another replica")
 
     def Score(self, request: verifier_pb2.ScoreRequest, context: grpc.ServicerContext) -> verifier_pb2.ScoreResponse:
         with self.tracer.start_as_current_span("score"):
             return self.score(request, context)
+
+
+def _response(request_id: str, delta: Delta) -> verifier_pb2.GenerateResponse:
+    message = verifier_pb2.GenerateResponse(request_id=request_id, token_ids=delta.token_ids)
+    if delta.finish_reason is not None:
+        message.finish_reason = delta.finish_reason
+        if delta.usage is not None:
+            message.usage.CopyFrom(verifier_pb2.Usage(
+                prompt_tokens=delta.usage.prompt_tokens, completion_tokens=delta.usage.completion_tokens,
+                target_passes=delta.usage.target_passes, mean_accepted_length=delta.usage.mean_accepted_length,
+            ))
+    return message
 
 
 class EngineCollector:
@@ -245,6 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         target = load_target(config, ranks)
         tokenizer = load_tokenizer(config.tokenizer or config.model)
+        chat_template = ChatTemplate.from_dir(config.tokenizer or config.model)
     except (ModelLoadError, OSError, ValueError, RuntimeError) as err:
         sys.exit(f"specd-verifier: cannot load the target: {err}")
 
@@ -263,6 +285,13 @@ def main(argv: list[str] | None = None) -> None:
         if traces is not None:
             traces(finished)
 
+    def on_death(error: BaseException) -> None:
+        # A verifier whose engine is gone must not look healthy: NOT_SERVING at once, then the
+        # same drain as SIGTERM, and a non-zero exit so that its supervisor restarts it.
+        logger.critical("the serving engine died (%r): reporting NOT_SERVING and exiting", error)
+        grpc_server.set_serving(False)
+        os.kill(os.getpid(), signal.SIGTERM)
+
     engine = ServingEngine(
         target, drafters,
         EngineConfig(max_num_seqs=config.max_num_seqs, block_size=config.block_size if drafters else 0,
@@ -273,10 +302,12 @@ def main(argv: list[str] | None = None) -> None:
         max_model_len=config.max_model_len or None,
         drafter_version=(lambda: drafters.version) if drafters else (lambda: ""),
         on_finish=on_finish,
+        max_waiting=config.max_waiting or None,
+        on_death=on_death,
     )
     REGISTRY.register(EngineCollector(engine, drafters))
     stop_ids = tuple(getattr(target.config, "stop_token_ids", ()) or ())
-    score = ScoreHandler(target, engine.target_lock)
+    score = ScoreHandler(target, engine.target_lock, max_model_len=engine.max_model_len)
     verifier_pb2_grpc.add_VerifierServicer_to_server(VerifierServicer(engine, score, stop_ids), grpc_server.server)
     port = grpc_server.start(["specd.v1.Verifier"])
 
@@ -284,7 +315,8 @@ def main(argv: list[str] | None = None) -> None:
     if config.http_port >= 0:
         app = build_app(engine, tokenizer, model_name=config.served_model_name or Path(config.model).name,
                         auth_token=config.auth_token, is_ready=lambda: not grpc_server.draining,
-                        default_stop_token_ids=stop_ids)
+                        default_stop_token_ids=stop_ids, max_request_bytes=config.max_request_bytes,
+                        chat_template=chat_template)
         http = serve_http(app, config.http_host, config.http_port)
     grpc_server.set_serving()
     http_note = f", HTTP on {config.http_host}:{config.http_port}" if http else ""
@@ -307,6 +339,8 @@ def main(argv: list[str] | None = None) -> None:
     if isinstance(target, lockstep.LockstepTarget):  # drained: the followers may go
         target.stop()
         dist.destroy_process_group()
+    if engine.error is not None:
+        sys.exit(f"specd-verifier: the serving engine died ({engine.error!r}); exiting so that it is restarted")
 
 
 if __name__ == "__main__":

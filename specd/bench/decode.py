@@ -7,7 +7,13 @@ the same `SpeculativeEngine` code path:
 - ``ngram``      prompt-lookup drafting (what a drafter gets from the target repeating itself);
 - ``dflash``     the DFlash-style drafter that reads target hidden states (sync: it must wait);
 - ``d3d-sync``   the D3D drafter drafting after each verification;
-- ``d3d-async``  the D3D drafter drafting the next block's candidates *during* verification.
+- ``d3d-async``  the D3D drafter drafting the next block's candidates *during* verification;
+- ``hf``         the peer a CPU user would otherwise run: `transformers`' ``generate`` (batch 1,
+                 same model weights, same threads, no stop token either side);
+- ``hf-lookup``  ``generate`` with prompt lookup (``prompt_lookup_num_tokens=8``).
+
+``--target smollm2-135m`` runs the real model (there is no zoo drafter for it: ar, ngram and the
+two peers), the prompts re-rendered with its own chat template and tokenizer.
 
 Reported per (method, domain, temperature, batch, block): τ (tokens per target pass per
 sequence), acceptance per position, candidate hit rate, tokens/s, speedup over ``ar`` at the
@@ -29,6 +35,7 @@ from tqdm import tqdm
 
 from specd import zoo
 from specd.data import DOMAINS, load_tokenizer
+from specd.data.chat import ChatTemplate, render_prompt
 from specd.drafters.d3d import D3DDrafter
 from specd.drafters.dflash import DFlashDrafter
 from specd.drafters.ngram import NgramDrafter
@@ -36,7 +43,9 @@ from specd.engine import EngineConfig, SpeculativeEngine
 from specd.models.loading import load_model
 from specd.sampling import SamplingParams
 
-METHODS = ("ar", "ngram", "dflash", "d3d-sync", "d3d-async")
+METHODS = ("ar", "ngram", "dflash", "d3d-sync", "d3d-async", "hf", "hf-lookup")
+PEERS = ("hf", "hf-lookup")  # transformers' generate: batch 1 only
+DRAFTERS = ("dflash", "d3d-sync", "d3d-async")  # need the target's zoo drafters
 
 
 @dataclass(kw_only=True, slots=True)
@@ -68,6 +77,7 @@ class DecodeRow:
     temperature: float
     batch: int
     block: int
+    """The longest block the engine may verify (its cost model picks each step's, down to 0)."""
     tau: float
     acceptance_per_pos: list[float]
     hit_rate: float
@@ -77,16 +87,27 @@ class DecodeRow:
     overhead_ms_per_step: float
     target_passes: int
     threads: int
+    verified_block: float = 0.0
+    """Mean drafted tokens verified per sequence per pass (what the cost model chose)."""
     speedup: float = field(default=1.0)
 
 
 class _Models:
-    """Loads each model once for the whole run."""
+    """Loads each model the run's methods need, once for the whole run."""
 
-    def __init__(self, target: str) -> None:
-        self.target = load_model(zoo.ensure(target))
-        self.d3d = load_model(zoo.ensure(f"d3d-{target}"))
-        self.dflash = load_model(zoo.ensure(f"dflash-{target}"))
+    def __init__(self, target: str, methods: tuple[str, ...]) -> None:
+        self.target_dir = zoo.ensure(target)
+        self.target = load_model(self.target_dir)
+        self.d3d = load_model(zoo.ensure(f"d3d-{target}")) if {"d3d-sync", "d3d-async"} & set(methods) else None
+        self.dflash = load_model(zoo.ensure(f"dflash-{target}")) if "dflash" in methods else None
+        self.hf = None
+        if set(PEERS) & set(methods):
+            try:
+                import transformers
+            except ImportError as error:
+                raise ValueError("the hf and hf-lookup rows need transformers: pip install 'specd[test]' "
+                                 "(or drop them with --methods)") from error
+            self.hf = transformers.AutoModelForCausalLM.from_pretrained(self.target_dir, dtype=torch.float32).eval()
 
     def drafter(self, method: str, batch: int):
         if method == "ar":
@@ -98,13 +119,21 @@ class _Models:
         return D3DDrafter(self.d3d, max_num_seqs=batch)
 
 
-def domain_prompts(settings: DecodeSettings) -> dict[str, list[list[int]]]:
-    tokenizer = load_tokenizer(zoo.tokenizer_dir())
+def domain_prompts(settings: DecodeSettings, target_dir: Path | None = None) -> dict[str, list[list[int]]]:
+    """The held-out prompts of each domain as the target's token ids: a chat prompt re-rendered
+    with the target's own template (SmolLM2 adds its system turn), any other text as it is."""
+    target_dir = target_dir or zoo.model_path(settings.target)
+    tokenizer = load_tokenizer(target_dir)
+    template = ChatTemplate.from_dir(target_dir)
     prompts = {}
     for domain, items in zoo.heldout().items():
-        if domain in settings.domains:
-            encoded = [tokenizer.encode(item.prompt).ids[-settings.max_prompt_tokens :] for item in items]
-            prompts[domain] = encoded[: settings.prompts_per_domain]
+        if domain not in settings.domains:
+            continue
+        encoded = []
+        for item in items[: settings.prompts_per_domain]:
+            text = render_prompt(item.prompt, template)
+            encoded.append(tokenizer.encode(text).ids[-settings.max_prompt_tokens :])
+        prompts[domain] = encoded
     return prompts
 
 
@@ -119,8 +148,34 @@ def run_case(models: _Models, method: str, prompts: list[list[int]], *, temperat
         torch.set_num_threads(previous_threads)
 
 
+def _run_peer(models: _Models, method: str, prompts: list[list[int]], *, temperature: float,
+              max_tokens: int, threads: int) -> DecodeRow:
+    """transformers' ``generate``, one prompt at a time, exactly ``max_tokens`` new tokens."""
+    from transformers import GenerationConfig
+
+    lookup = {"prompt_lookup_num_tokens": 8} if method == "hf-lookup" else {}
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {"do_sample": False}
+    tokens, seconds = 0, 0.0
+    for i, prompt in enumerate(prompts):
+        # No EOS: every method generates the same number of tokens (specd runs without stop tokens).
+        config = GenerationConfig(max_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0, **sampling, **lookup)
+        torch.manual_seed(i)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = models.hf.generate(torch.tensor([prompt]), generation_config=config)
+        seconds += time.perf_counter() - start
+        tokens += out.shape[1] - len(prompt)
+    return DecodeRow(
+        method=method, domain="", temperature=temperature, batch=1, block=0, tau=float("nan"), acceptance_per_pos=[],
+        hit_rate=float("nan"), tokens=tokens, seconds=seconds, tokens_per_second=tokens / seconds,
+        overhead_ms_per_step=float("nan"), target_passes=0, threads=threads,
+    )
+
+
 def _run_case(models: _Models, method: str, prompts: list[list[int]], *, temperature: float, batch: int,
               block: int, max_tokens: int, threads: int) -> DecodeRow:
+    if method in PEERS:
+        return _run_peer(models, method, prompts, temperature=temperature, max_tokens=max_tokens, threads=threads)
     drafter = models.drafter(method, batch)
     mode = "async" if method == "d3d-async" else "sync"
     config = EngineConfig(max_num_seqs=batch, block_size=0 if method == "ar" else block, mode=mode)
@@ -137,13 +192,18 @@ def _run_case(models: _Models, method: str, prompts: list[list[int]], *, tempera
         tau=stats.tau, acceptance_per_pos=stats.acceptance_per_pos, hit_rate=stats.hit_rate, tokens=tokens,
         seconds=seconds, tokens_per_second=tokens / seconds, overhead_ms_per_step=1000 * stats.overhead_per_step,
         target_passes=stats.num_target_passes, threads=threads,
+        verified_block=stats.num_draft_tokens / stats.num_drafts if stats.num_drafts else 0.0,
     )
 
 
 def bench_decode(settings: DecodeSettings) -> list[DecodeRow]:
     torch.manual_seed(0)
-    models = _Models(settings.target)
-    prompts = domain_prompts(settings)
+    if settings.target not in {m.name for m in zoo.MODELS if m.kind == "target"}:
+        raise ValueError(f"no zoo target named {settings.target!r}: use one of `specd zoo list`")
+    if set(DRAFTERS) & set(settings.methods) and not any(m.name == f"d3d-{settings.target}" for m in zoo.MODELS):
+        raise ValueError(f"the zoo has no drafters for {settings.target}: choose --methods from ar,ngram,hf,hf-lookup")
+    models = _Models(settings.target, settings.methods)
+    prompts = domain_prompts(settings, models.target_dir)
     # Warm up every code path once (allocations, first-call overheads).
     for method in settings.methods:
         run_case(models, method, prompts[settings.domains[0]][:1], temperature=0.0, batch=1,
@@ -155,7 +215,9 @@ def bench_decode(settings: DecodeSettings) -> list[DecodeRow]:
         for batch in settings.batch_sizes
         for block in settings.block_sizes
         for method in settings.methods
-        if not (method == "ar" and block != settings.block_sizes[0])
+        # Plain decoding and the peers have no block; the peers run batch 1 only.
+        if not (method in ("ar", *PEERS) and block != settings.block_sizes[0])
+        and not (method in PEERS and batch != 1)
     ]
     rows = []
     for domain, temperature, batch, block, method in tqdm(cases, desc="bench decode", unit="case"):
@@ -166,6 +228,7 @@ def bench_decode(settings: DecodeSettings) -> list[DecodeRow]:
                        max_tokens=settings.max_tokens, threads=threads)
         row.domain = domain
         rows.append(row)
+    # Speedup: over specd's own plain decoding in this run (a peer's row too: < 1 means specd is faster).
     baseline = {(r.domain, r.temperature, r.batch): r.tokens_per_second for r in rows if r.method == "ar"}
     for row in rows:
         row.speedup = row.tokens_per_second / baseline[(row.domain, row.temperature, row.batch)]
@@ -177,7 +240,7 @@ def summary(rows: list[DecodeRow], *, batch: int, block: int, temperature: float
     out = {}
     for method in METHODS:
         chosen = [r for r in rows if r.method == method and r.batch == batch and r.temperature == temperature
-                  and (r.block == block or method == "ar")]
+                  and (r.block == block or method in ("ar", *PEERS))]
         if chosen:
             mean = lambda key: sum(getattr(r, key) for r in chosen) / len(chosen)  # noqa: E731
             out[method] = {k: mean(k) for k in ("tau", "speedup", "tokens_per_second", "hit_rate", "overhead_ms_per_step")}
@@ -185,12 +248,14 @@ def summary(rows: list[DecodeRow], *, batch: int, block: int, temperature: float
 
 
 def format_table(rows: list[DecodeRow]) -> str:
-    head = f"{'method':<10} {'domain':<9} {'T':>3} {'thr':>3} {'batch':>5} {'block':>5} {'tau':>6} {'hit':>5} {'tok/s':>8} {'speedup':>8} {'ovh ms':>7}  acceptance/pos"
+    head = (f"{'method':<10} {'domain':<9} {'T':>3} {'thr':>3} {'batch':>5} {'block':>5} {'used':>5} {'tau':>6} {'hit':>5} "
+            f"{'tok/s':>8} {'speedup':>8} {'ovh ms':>7}  acceptance/pos")
     lines = [head, "-" * len(head)]
     for r in rows:
         acceptance = " ".join(f"{a:.2f}" for a in r.acceptance_per_pos[:8])
         lines.append(
-            f"{r.method:<10} {r.domain:<9} {r.temperature:>3.1f} {r.threads:>3} {r.batch:>5} {r.block:>5} {r.tau:>6.2f} {r.hit_rate:>5.2f} "
+            f"{r.method:<10} {r.domain:<9} {r.temperature:>3.1f} {r.threads:>3} {r.batch:>5} {r.block:>5} {r.verified_block:>5.2f} "
+            f"{r.tau:>6.2f} {r.hit_rate:>5.2f} "
             f"{r.tokens_per_second:>8.1f} {r.speedup:>7.2f}x {r.overhead_ms_per_step:>7.2f}  {acceptance}"
         )
     return "\n".join(lines)
@@ -206,6 +271,15 @@ def format_summary(rows: list[DecodeRow], settings: DecodeSettings) -> str:
             lines.append(f"{method:<10} {s['tau']:>6.2f} {s['speedup']:>7.2f}x {s['tokens_per_second']:>8.1f} "
                          f"{s['hit_rate']:>5.2f} {s['overhead_ms_per_step']:>7.2f}")
         goals = summary(rows, batch=batch, block=block, temperature=temperature)
+        if "hf" in goals and "ar" in goals:
+            best = max(goals, key=lambda m: goals[m]["tokens_per_second"])
+            lines.append(
+                f"peers: specd plain / transformers plain tok/s = "
+                f"{goals['ar']['tokens_per_second'] / goals['hf']['tokens_per_second']:.2f}x (>= 1.0)"
+                + (f"; specd ngram / transformers prompt lookup = {goals['ngram']['tokens_per_second'] / goals['hf-lookup']['tokens_per_second']:.2f}x"
+                   if {"ngram", "hf-lookup"} <= goals.keys() else "")
+                + f"; fastest: {best}"
+            )
         if {"d3d-async", "dflash"} <= goals.keys():
             d3d, dflash = goals["d3d-async"], goals["dflash"]
             lines.append(

@@ -200,7 +200,7 @@ def zoo_inputs(settings: OPDBenchSettings) -> tuple[nn.Module, D3DModel, list[Tr
     start = load_model(zoo.ensure(settings.drafter))
     sequences, prompt_lens = read_sequences(zoo.zoo_dir() / f"responses-{settings.target}" / "sequences.jsonl")
     trajectories = [Trajectory(prompt=s[:n], response=s[n:]) for s, n in zip(sequences, prompt_lens)]
-    tokenizer = load_tokenizer(zoo.tokenizer_dir())
+    tokenizer = load_tokenizer(zoo.tokenizer_dir(), zoo=True)
     prompts = {domain: [tokenizer.encode(item.prompt).ids[-settings.max_prompt_tokens :]
                         for item in items[: settings.prompts_per_domain]]
                for domain, items in zoo.heldout().items() if domain in settings.domains}

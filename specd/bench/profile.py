@@ -301,7 +301,7 @@ class ProfileSettings:
 
 def zoo_prompts(max_prompt_tokens: int, per_domain: int) -> list[list[int]]:
     """The zoo's held-out prompts as ids, domains interleaved (as `specd bench serve` sends them)."""
-    tokenizer = load_tokenizer(zoo.tokenizer_dir())
+    tokenizer = load_tokenizer(zoo.tokenizer_dir(), zoo=True)
     per = [[tokenizer.encode(item.prompt).ids[-max_prompt_tokens:] for item in items][:per_domain]
            for items in zoo.heldout().values()]
     return [p for group in zip(*per) for p in group]

@@ -180,8 +180,14 @@ def save_tokenizer(tokenizer: Tokenizer, directory: str | os.PathLike) -> None:
         handle.write("\n")
 
 
-def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
-    """Load `tokenizer.json` from `directory`, checking the special-token ids."""
-    tokenizer = Tokenizer.from_file(str(Path(directory) / "tokenizer.json"))
-    _check_special_ids(tokenizer)
+def load_tokenizer(directory: str | os.PathLike, *, zoo: bool = False) -> Tokenizer:
+    """Load `tokenizer.json` from `directory` (any checkpoint's; ``zoo``: also check it has the tiny
+    zoo's special-token ids, which its models and drafters refer to by number)."""
+    path = Path(directory) / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} has no tokenizer.json: point at a model directory that has one "
+                                f"(a zoo model, or a Hugging Face checkpoint), or pass token ids instead of text")
+    tokenizer = Tokenizer.from_file(str(path))
+    if zoo:
+        _check_special_ids(tokenizer)
     return tokenizer

@@ -33,7 +33,8 @@ from torch import Tensor, nn
 from specd.batch import ForwardBatch
 from specd.cache import KVCache
 from specd.models.attention import AttentionMetadata, get_backend
-from specd.models.layers import RMSNorm, rotary_tables
+from specd.models.layers import Linear, RMSNorm, rotary_tables
+from specd.models.llama import LlamaConfig
 from specd.models.qwen3 import Qwen3Config, Qwen3DecoderLayer, init_weights
 from specd.tree import TokenTree
 
@@ -66,6 +67,18 @@ class D3DConfig:
     """The ``<|mask|>`` id of the shared tokenizer."""
     target_hidden_size: int = 0
     """0 for D3D; the target's hidden size for the DFlash-style variant that reads it."""
+    qk_norm: bool = True
+    """Per-head q/k RMSNorm in the layers (Qwen3's); False for Llama-shaped layers, so a drafter
+    of a Llama target (SmolLM2) can start from the target's own layers."""
+    draft_vocab_size: int = 0
+    """0: the heads cover the whole vocabulary. Else (FR-Spec, arXiv 2502.14856) they cover only
+    this many tokens, the most frequent in the target's own output (``lm_head.vocab``): the head's
+    product shrinks by ``vocab_size / draft_vocab_size`` and every other token gets probability 0
+    in the draft. Verification is exact, so the output distribution does not change; only
+    acceptance can (a token outside is never drafted)."""
+    tie_heads: bool = False
+    """The auxiliary AR head is the denoising head (one matrix): right when both start from the
+    target's LM head and stay frozen, as a SmolLM2 drafter's do."""
     torch_dtype: str = "float32"
     """Weights' dtype on disk and by default in memory."""
 
@@ -82,9 +95,10 @@ class D3DConfig:
     def to_hf(self) -> dict[str, Any]:
         return {"architectures": ["D3DDrafter"], "model_type": self.model_type, **asdict(self)}
 
-    def layer_config(self) -> Qwen3Config:
-        """The decoder-layer shapes, shared with the Qwen3 implementation."""
-        return Qwen3Config(
+    def layer_config(self) -> Qwen3Config | LlamaConfig:
+        """The decoder-layer shapes, shared with the Qwen3 (or, without q/k norm, Llama) implementation."""
+        config_class = Qwen3Config if self.qk_norm else LlamaConfig
+        return config_class(
             vocab_size=self.vocab_size, hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
             num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
@@ -177,6 +191,41 @@ def build_draft_pass(
     return DraftPass(batch=batch, groups=groups, mask_index=mask_index.to(device))
 
 
+class DraftHead(Linear):
+    """A drafter's LM head: ``[.., hidden] -> [.., vocab_size]`` logits over the whole vocabulary.
+
+    With a drafting vocabulary (``vocab``: the ``draft_vocab_size`` token ids it covers, FR-Spec)
+    the product runs over those rows only and every other token's logit is ``-inf``, so callers
+    (sampling, the outcome planner, the losses) see full-vocabulary logits either way.
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, draft_vocab_size: int = 0) -> None:
+        super().__init__(hidden_size, draft_vocab_size or vocab_size, bias=False)
+        self.vocab_size = vocab_size
+        self.register_buffer("vocab", torch.arange(draft_vocab_size, dtype=torch.long) if draft_vocab_size else None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        logits = self.draft_logits(x)
+        if self.vocab is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.vocab, logits)
+
+    def draft_logits(self, x: Tensor) -> Tensor:
+        """Logits over the drafting vocabulary only (column j is token ``vocab[j]``): what the
+        training losses use, so that no step materialises full-vocabulary logits."""
+        return super().forward(x)
+
+    def draft_targets(self, ids: Tensor) -> Tensor:
+        """Token ids as columns of `draft_logits`: -100 (ignored by cross-entropy) for a token the
+        head cannot draft and for -100 itself."""
+        if self.vocab is None:
+            return ids
+        column = torch.full((self.vocab_size,), -100, dtype=torch.long, device=ids.device)
+        column[self.vocab.to(ids.device)] = torch.arange(len(self.vocab), device=ids.device)
+        return torch.where(ids >= 0, column[ids.clamp(min=0)], -100)
+
+
 class D3DModel(nn.Module):
     config_class = D3DConfig
 
@@ -187,9 +236,10 @@ class D3DModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Qwen3DecoderLayer(layer_config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = DraftHead(config.hidden_size, config.vocab_size, config.draft_vocab_size)
         # Auxiliary autoregressive head (D3D): next-token prediction from causal positions.
-        self.ar_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.ar_head = (self.lm_head if config.tie_heads
+                        else DraftHead(config.hidden_size, config.vocab_size, config.draft_vocab_size))
         if config.target_hidden_size:
             self.target_proj = nn.Linear(config.target_hidden_size, config.hidden_size, bias=False)
         self.apply(init_weights)
@@ -198,6 +248,24 @@ class D3DModel(nn.Module):
     def set_attention_backend(self, name: str) -> None:
         """How attention runs: "auto", "sdpa", "flex", "flash" or "triton" (`specd.models.attention`)."""
         self.attention_backend = get_backend(name)
+
+    @torch.no_grad()
+    def set_draft_vocab(self, ids: list[int]) -> None:
+        """Name the tokens the heads cover (``draft_vocab_size`` distinct ids, before training)."""
+        if not self.config.draft_vocab_size:
+            raise ValueError("this drafter's heads cover the whole vocabulary (draft_vocab_size is 0)")
+        vocab = torch.tensor(sorted(set(ids)), dtype=torch.long)
+        if len(vocab) != self.config.draft_vocab_size or not 0 <= int(vocab[0]) <= int(vocab[-1]) < self.config.vocab_size:
+            raise ValueError(f"a drafting vocabulary needs {self.config.draft_vocab_size} distinct ids in "
+                             f"[0, {self.config.vocab_size}), got {len(vocab)} from {min(ids)} to {max(ids)}")
+        for head in {id(h): h for h in (self.lm_head, self.ar_head)}.values():
+            head.vocab.copy_(vocab.to(head.vocab.device))
+
+    def tied_weights(self) -> dict[str, str]:
+        """State-dict names that alias another entry (stored once; `specd.models.loading`)."""
+        if not self.config.tie_heads:
+            return {}
+        return {name.replace("lm_head.", "ar_head.", 1): name for name in self.lm_head.state_dict(prefix="lm_head.")}
 
     def new_cache(self, num_seqs: int, capacity: int = 256) -> KVCache:
         c = self.config

@@ -19,11 +19,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from specd.models import d3d, qwen3, qwen3_next, sparse
+from specd.models import d3d, llama, qwen3, qwen3_next, sparse
 
 # model_type in config.json -> the module that implements it (config_class + model class).
 ARCHITECTURES: dict[str, tuple[type, type[nn.Module]]] = {
     "qwen3": (qwen3.Qwen3Config, qwen3.Qwen3ForCausalLM),
+    "llama": (llama.LlamaConfig, llama.LlamaForCausalLM),
     "specd_d3d": (d3d.D3DConfig, d3d.D3DModel),
     "qwen3_next": (qwen3_next.Qwen3NextConfig, qwen3_next.Qwen3NextForCausalLM),
     "specd_sparse": (sparse.SparseConfig, sparse.SparseForCausalLM),
@@ -103,10 +104,11 @@ def load_model(
             for name in f.keys():
                 ours = HF_RENAMES.get(name, name)
                 if ours in expected:
-                    state[ours] = f.get_tensor(name).to(dtype)
-    if getattr(config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-        expected.pop("lm_head.weight", None)
+                    tensor = f.get_tensor(name)  # ids (a drafting vocabulary) stay integers
+                    state[ours] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    for alias in _tied_weights(model):
+        state.pop(alias, None)
+        expected.pop(alias, None)
     missing = sorted(set(expected) - set(state))
     if missing:
         raise ModelLoadError(f"{directory}: checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
@@ -116,6 +118,15 @@ def load_model(
     if hasattr(model, "set_attention_backend"):
         model.set_attention_backend(attention_backend)
     return model.eval()
+
+
+def _tied_weights(model: nn.Module) -> dict[str, str]:
+    """State-dict name -> the name it aliases, for weights stored once: a tied LM head, and
+    whatever the model declares (`D3DModel.tied_weights`)."""
+    tied = dict(model.tied_weights()) if hasattr(model, "tied_weights") else {}
+    if getattr(model.config, "tie_word_embeddings", False):
+        tied["lm_head.weight"] = "model.embed_tokens.weight"
+    return tied
 
 
 def file_sha256(path: str | Path) -> str:
@@ -137,6 +148,6 @@ def save_model(model: nn.Module, directory: str | Path) -> None:
     hf["dtype"] = hf["torch_dtype"]
     (directory / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if getattr(model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
+    for alias in _tied_weights(model):
+        state.pop(alias, None)
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})

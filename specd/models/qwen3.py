@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from specd.batch import ForwardBatch
 from specd.cache import KVCache
 from specd.models.attention import AttentionMetadata, get_backend
-from specd.models.layers import GQAttention, RMSNorm, SwiGLU, rotary_tables
+from specd.models.layers import GQAttention, Linear, RMSNorm, SwiGLU, rotary_tables
 
 
 @dataclass(kw_only=True, slots=True)
@@ -53,19 +53,20 @@ class Qwen3Config:
     """Token(s) that end generation, when the checkpoint names them."""
 
     model_type = "qwen3"
+    # Class attributes, not fields (Hugging Face's Qwen3 has no such keys): what the decoder
+    # layer builds, which Llama (`specd.models.llama`, the same modules) sets otherwise.
+    qk_norm = True
+    mlp_bias = False
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "Qwen3Config":
         """From a Hugging Face ``config.json`` dict; rejects what this implementation lacks."""
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"rope type {rope_type!r} is not supported (only 'default')")
+        theta = rope_theta(hf)
         if hf.get("use_sliding_window"):
             raise ValueError("sliding-window attention is not supported")
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in hf.items() if k in known}
-        values["rope_theta"] = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        values["rope_theta"] = theta
         values["torch_dtype"] = hf.get("torch_dtype") or hf.get("dtype") or "float32"
         if values.get("head_dim") is None:
             values["head_dim"] = hf["hidden_size"] // hf["num_attention_heads"]
@@ -73,21 +74,39 @@ class Qwen3Config:
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
-        eos = self.eos_token_id
-        return () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        return eos_ids(self.eos_token_id)
 
     def to_hf(self) -> dict[str, Any]:
         """A ``config.json`` that `transformers.Qwen3ForCausalLM` loads."""
-        out = asdict(self)
-        out.pop("rope_theta")
-        return {
-            "architectures": ["Qwen3ForCausalLM"],
-            "model_type": self.model_type,
-            "hidden_act": "silu",
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            "use_sliding_window": False,
-            **out,
-        }
+        return hf_config(self, "Qwen3ForCausalLM", use_sliding_window=False)
+
+
+def rope_theta(hf: dict[str, Any]) -> float:
+    """The RoPE base of a ``config.json``: transformers 5 writes ``rope_parameters``, older files
+    ``rope_theta`` beside ``rope_scaling``. Any scaling type but "default" (or none) is refused:
+    Llama 3.1's "llama3", "linear", "dynamic" and "yarn" all change the rotary frequencies."""
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = hf.get(key) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"{key}: rope type {rope_type!r} is not supported (only 'default', i.e. no RoPE scaling)")
+    parameters = hf.get("rope_parameters") or {}
+    return float(parameters.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def eos_ids(eos: int | list[int] | None) -> tuple[int, ...]:
+    """A config's ``eos_token_id`` (one id, a list, or none) as a tuple of stop ids."""
+    return () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+
+
+def hf_config(config, architecture: str, **extra: Any) -> dict[str, Any]:
+    """A ``config.json`` dict for a config dataclass of these decoders (Qwen3, Llama)."""
+    out = asdict(config)
+    theta = out.pop("rope_theta")
+    return {
+        "architectures": [architecture], "model_type": config.model_type, "hidden_act": "silu",
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta}, **extra, **out,
+    }
 
 
 FLAVOURS: dict[str, Qwen3Config] = {
@@ -121,6 +140,7 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
 
 
 class Qwen3DecoderLayer(nn.Module):
+    # ``config``: a Qwen3Config, or a LlamaConfig (same field names, plus qk_norm / mlp_bias).
     def __init__(self, config: Qwen3Config, layer_index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -132,9 +152,10 @@ class Qwen3DecoderLayer(nn.Module):
             head_dim=config.head_dim,
             rms_norm_eps=config.rms_norm_eps,
             bias=config.attention_bias,
+            qk_norm=config.qk_norm,
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
 
     def forward(self, x: Tensor, rotary, batch: ForwardBatch, cache: KVCache | None,
                 attention: AttentionMetadata) -> Tensor:
@@ -157,7 +178,7 @@ class Qwen3ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Qwen3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.apply(init_weights)

@@ -63,13 +63,12 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from specd.models.gated_deltanet import GatedDeltaNet
-from specd.models.layers import GQAttention, SwiGLU
+from specd.models.layers import GQAttention, Linear, SwiGLU, linear
 from specd.models.qwen3_next import GatedAttention
 
 
@@ -85,7 +84,7 @@ class RowParallelLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
 
     def forward(self, x: Tensor) -> Tensor:  # [..., local in_features] -> [..., out_features]
-        out = F.linear(x, self.weight)
+        out = linear(x, self.weight)
         dist.all_reduce(out, group=self.group)
         # The bias once, after the sum (added on every rank before it, it would count W times).
         return out if self.bias is None else out + self.bias
@@ -105,7 +104,7 @@ class VocabParallelHead(nn.Module):
         self.world_size = dist.get_world_size(group)
 
     def forward(self, x: Tensor) -> Tensor:  # [..., hidden] -> [..., vocab_size]
-        local = F.linear(x, self.weight).contiguous()  # [..., padded vocab / W]
+        local = linear(x, self.weight).contiguous()  # [..., padded vocab / W]
         parts = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(parts, local, group=self.group)
         return torch.cat(parts, dim=-1)[..., : self.vocab_size]
@@ -123,10 +122,10 @@ def spans(count: int, rank: int, world_size: int, width: int, offset: int = 0) -
 
 
 def column_slice(linear: nn.Linear, rows: Tensor) -> nn.Linear:
-    """A plain ``nn.Linear`` keeping output features ``rows`` (column parallel: no collective)."""
+    """A ``Linear`` keeping output features ``rows`` (column parallel: no collective)."""
     weight = linear.weight
     rows = rows.to(weight.device)
-    out = nn.Linear(linear.in_features, len(rows), bias=linear.bias is not None, device="meta")
+    out = Linear(linear.in_features, len(rows), bias=linear.bias is not None, device="meta")
     out.weight = nn.Parameter(weight.index_select(0, rows), requires_grad=False)
     if linear.bias is not None:
         out.bias = nn.Parameter(linear.bias.index_select(0, rows), requires_grad=False)

@@ -149,7 +149,8 @@ def shard_drafter(drafter: D3DModel, mesh: DeviceMesh, *, sum_gradients: bool = 
     for layer in drafter.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(drafter.lm_head, mesh=mesh)
-    fully_shard(drafter.ar_head, mesh=mesh)
+    if drafter.ar_head is not drafter.lm_head:  # tied heads are one module, sharded once
+        fully_shard(drafter.ar_head, mesh=mesh)
     fully_shard(drafter, mesh=mesh)
     register_fsdp_forward_method(drafter, "hidden_states")
     for module in drafter.modules():
@@ -550,6 +551,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 {"steps": trainer.num_steps, "world_size": ranks.world_size, "losses": losses,
                  "num_supervised_tokens": trainer.num_supervised_tokens, "skipped": dict(trainer.skipped)}, indent=1))
             print(f"saved the drafter to {out} after {trainer.num_steps} steps", flush=True)
+        # Every rank tears gloo down together: a rank that destroyed its group while rank 0 was
+        # still writing files was seen to abort at exit ("terminate called without an active
+        # exception", SIGABRT after a finished run).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     return 0

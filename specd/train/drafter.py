@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -31,9 +31,11 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from specd.batch import ForwardBatch
+from specd.data.chat import ChatTemplate, render_prompt
 from specd.engine import autoregressive
 from specd.models.d3d import D3DModel
 from specd.models.loading import save_model
+from specd.precision import cpu_autocast, cpu_computes_bf16
 from specd.sampling import SamplingParams
 from specd.train.pretrain import PretrainConfig, lr_at
 
@@ -58,17 +60,26 @@ class DrafterTrainConfig:
     """Denoising loss weight exp(-i / decay) at block position i."""
     seed: int = 0
     """Seed for initialisation, anchors and batches."""
-    bf16: bool = True
-    """bf16 autocast."""
+    bf16: bool = field(default_factory=cpu_computes_bf16)
+    """bf16 autocast (default: where the CPU computes bf16, `specd.precision`)."""
     compile: bool = False
     """torch.compile the loss (about 1.5x per step, but one compile per group size)."""
     checkpoint_every: int = 100
     """Steps between resumable checkpoints."""
+    distill: bool = False
+    """Soft targets: at every predicted position, the target's own next-token distribution (over
+    the drafting vocabulary, renormalised) instead of the one token of its response. One target
+    pass per step buys many more bits per token, which a drafter trained on little data needs."""
+    frozen: tuple[str, ...] = ()
+    """Parameters not trained, by name prefix: ``("embed_tokens", "lm_head")`` keeps an embedding
+    and head taken from the target exactly the target's (DFlash's sharing), and halves the work."""
 
 
 # ---------------------------------------------------------------------------- data
-def training_prompts(documents: dict[str, list[str]], tokenizer, per_domain: int, seed: int) -> list[list[int]]:
-    """Prompts cut from training documents: chat turns up to the assistant, code heads."""
+def training_prompts(documents: dict[str, list[str]], tokenizer, per_domain: int, seed: int,
+                     template: ChatTemplate | None = None, max_prompt_tokens: int = 160) -> list[list[int]]:
+    """Prompts cut from training documents: chat turns up to the assistant, code heads. With a
+    ``template`` (a pretrained target's own), chats are re-rendered in its format."""
     rng = np.random.default_rng(seed)
     prompts = []
     marker = "<|im_start|>assistant\n"
@@ -80,7 +91,9 @@ def training_prompts(documents: dict[str, list[str]], tokenizer, per_domain: int
             else:
                 lines = text.splitlines(keepends=True)
                 text = "".join(lines[: max(2, len(lines) // 4)])
-            ids = tokenizer.encode(text).ids[-160:]
+            if template is not None:
+                text = render_prompt(text, template)
+            ids = tokenizer.encode(text).ids[-max_prompt_tokens:]
             if len(ids) >= 2:
                 prompts.append(ids)
     return prompts
@@ -164,23 +177,48 @@ def sample_batch(sequences: list[list[int]], prompt_lens: list[int], config: Dra
 
 
 def drafter_loss(model: D3DModel, batch: ForwardBatch, targets: Tensor, tokens: Tensor, lengths: Tensor,
-                 config: DrafterTrainConfig, group_size: int, lead: int, target_hidden: Tensor | None) -> tuple[Tensor, Tensor]:
-    """(total loss, denoising loss)."""
+                 config: DrafterTrainConfig, group_size: int, lead: int, target_hidden: Tensor | None,
+                 soft: Tensor | None = None, anchors: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(total loss, denoising loss). With ``soft`` (`target_soft_labels`) and the groups'
+    ``anchors``, cross-entropy against the target's distributions instead of its tokens."""
     num_seqs, seq_len = tokens.shape
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
+    with cpu_autocast(config.bf16):
         hidden = model.hidden_states(batch, None, target_hidden)
         groups = targets.shape[1]
         group_hidden = hidden[:, seq_len:].view(num_seqs, groups, lead + group_size, -1)[:, :, lead:]
-        denoise_logits = model.lm_head(group_hidden).float()
-        ar_logits = model.ar_head(hidden[:, : seq_len - 1]).float()
+        denoise_logits = model.lm_head.draft_logits(group_hidden).float()
+        ar_logits = model.ar_head.draft_logits(hidden[:, : seq_len - 1]).float()
     weights = torch.exp(-torch.arange(group_size, dtype=torch.float32) / config.position_decay)
+    ar_targets = tokens[:, 1:].masked_fill(torch.arange(1, seq_len)[None] >= lengths[:, None], -100)
+    if soft is not None:
+        # Token t is predicted at position t - 1 of the target's pass: its distribution there.
+        predicted_at = (anchors[:, :, None] + torch.arange(group_size) - 1).clamp(0, seq_len - 1)
+        group_soft = soft[torch.arange(num_seqs)[:, None, None], predicted_at]  # [num_seqs, groups, size, V']
+        valid = (targets != -100).float() * weights
+        per_token = -(group_soft * denoise_logits.log_softmax(-1)).sum(-1) * valid
+        denoise = per_token.sum() / valid.sum().clamp(min=1)
+        ar_valid = (ar_targets != -100).float()
+        ar_per_token = -(soft[:, : seq_len - 1] * ar_logits.log_softmax(-1)).sum(-1) * ar_valid
+        return denoise + config.ar_weight * ar_per_token.sum() / ar_valid.sum().clamp(min=1), denoise
+    # As columns of the drafting vocabulary; a token the head cannot draft is not trained on.
+    targets = model.lm_head.draft_targets(targets)
     per_token = F.cross_entropy(denoise_logits.flatten(0, 2), targets.flatten(), reduction="none", ignore_index=-100)
     per_token = per_token.view_as(targets) * weights
     valid = (targets != -100).float() * weights
     denoise = per_token.sum() / valid.sum().clamp(min=1)
-    ar_targets = tokens[:, 1:].masked_fill(torch.arange(1, seq_len)[None] >= lengths[:, None], -100)
+    ar_targets = model.ar_head.draft_targets(ar_targets)
     ar = F.cross_entropy(ar_logits.flatten(0, 1), ar_targets.flatten(), ignore_index=-100)
     return denoise + config.ar_weight * ar, denoise
+
+
+@torch.no_grad()
+def target_soft_labels(target: nn.Module, tokens: Tensor, head: nn.Module, bf16: bool) -> Tensor:
+    """The target's next-token distributions ``[num_seqs, seq_len, V']`` at every trunk position,
+    over the drafter head's columns (its drafting vocabulary, renormalised; all of it without one)."""
+    with cpu_autocast(bf16):
+        hidden = target.hidden_states(ForwardBatch.dense(tokens))
+    weight = target.lm_head.weight if head.vocab is None else target.lm_head.weight[head.vocab]
+    return (hidden.float() @ weight.float().t()).softmax(-1)
 
 
 # ---------------------------------------------------------------------------- the loop
@@ -199,9 +237,14 @@ def train_drafter(
     lead = 1 if model.config.target_hidden_size else 0
     if lead and target is None:
         raise ValueError("the DFlash-style drafter trains on target hidden states: pass target")
+    if config.distill and target is None:
+        raise ValueError("distillation trains on the target's distributions: pass target")
     out.mkdir(parents=True, exist_ok=True)
     checkpoint = out / "checkpoint.pt"
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.05)
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(not name.startswith(config.frozen))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.05)
     rng = np.random.default_rng(config.seed)
     first_step = 0
     if checkpoint.is_file():
@@ -226,9 +269,11 @@ def train_drafter(
         target_hidden = None
         if lead:
             target_hidden = _target_hidden(target, tokens, batch.input_ids.shape[1])
-        loss, denoise = loss_fn(model, batch, targets, tokens, lengths, config, group_size, lead, target_hidden)
+        soft = target_soft_labels(target, tokens, model.lm_head, config.bf16) if config.distill else None
+        loss, denoise = loss_fn(model, batch, targets, tokens, lengths, config, group_size, lead, target_hidden,
+                                soft, anchors)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         value = denoise.item()
@@ -238,6 +283,8 @@ def train_drafter(
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng.bit_generator.state,
                         "torch_rng": torch.get_rng_state(), "step": step + 1}, checkpoint)
     model.eval()
+    for parameter in model.parameters():
+        parameter.requires_grad_(True)
     checkpoint.unlink(missing_ok=True)
     return {"denoise_loss": smoothed, "seconds": time.perf_counter() - start, "config": asdict(config)}
 
@@ -246,7 +293,7 @@ def train_drafter(
 def _target_hidden(target: nn.Module, tokens: Tensor, total: int) -> Tensor:
     """Target final hidden states at trunk positions, zero at group columns."""
     num_seqs, seq_len = tokens.shape
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with cpu_autocast():
         hidden = target.hidden_states(ForwardBatch.dense(tokens)).float()
     out = hidden.new_zeros(num_seqs, total, hidden.shape[-1])
     out[:, :seq_len] = hidden
@@ -258,32 +305,54 @@ def save_drafter(model: D3DModel, out: Path, stats: dict) -> None:
     (out / "training.json").write_text(json.dumps(stats, indent=2) + "\n")
 
 
-def init_from_target(drafter: D3DModel, target: nn.Module) -> bool:
+def init_from_target(drafter: D3DModel, target: nn.Module, layers_from: list[int] | None = None) -> bool:
     """Start the drafter from the target's embedding, first layers, norm and head, where shapes allow.
 
     A common warm start for drafters (the drafter learns the target's vocabulary geometry for
     free); both the D3D drafter and the DFlash-style baseline get it, so the comparison stays fair.
     Returns whether it applied (a Qwen3-style target with the drafter's widths).
+
+    With a drafting vocabulary (`D3DConfig.draft_vocab_size`) the heads take the target head's
+    rows of those tokens. ``layers_from`` picks which target layers the drafter's start from
+    (default the first ones).
     """
     inner = getattr(target, "model", None)
     layers = getattr(inner, "layers", None)
     if inner is None or layers is None or not isinstance(layers[0], type(drafter.layers[0])):
         return False
+    chosen = list(layers_from) if layers_from is not None else list(range(min(len(layers), len(drafter.layers))))
     source = {
         "embed_tokens": inner.embed_tokens, "norm": inner.norm,
-        "lm_head": target.lm_head, "ar_head": target.lm_head,
-        **{f"layers.{i}": layers[i] for i in range(min(len(layers), len(drafter.layers)))},
+        **{f"layers.{i}": layers[j] for i, j in enumerate(chosen)},
     }
     own = dict(drafter.named_modules())
     if any(dict(own[name].named_parameters()).keys() != dict(module.named_parameters()).keys()
            or any(p.shape != q.shape for p, q in zip(own[name].parameters(), module.parameters()))
            for name, module in source.items()):
         return False
+    head = target.lm_head.weight
+    if head.shape != (drafter.config.vocab_size, drafter.config.hidden_size):
+        return False
     with torch.no_grad():
         for name, module in source.items():
             for mine, theirs in zip(own[name].parameters(), module.parameters()):
                 mine.copy_(theirs)
+        for own_head in (drafter.lm_head, drafter.ar_head):
+            rows = head if own_head.vocab is None else head[own_head.vocab]
+            own_head.weight.copy_(rows)
     return True
+
+
+def draft_vocabulary(sequences: list[list[int]], prompt_lens: list[int], size: int,
+                     always: tuple[int, ...] = ()) -> list[int]:
+    """FR-Spec's drafting vocabulary: the ``size`` tokens most frequent in the target's responses
+    (ties by id), ``always`` (the stop tokens: a drafter must be able to end a turn) included."""
+    counts = np.zeros(max(max(s) for s in sequences) + 1, dtype=np.int64)
+    for seq, prompt_len in zip(sequences, prompt_lens):
+        np.add.at(counts, np.asarray(seq[prompt_len:], dtype=np.int64), 1)
+    ranked = [int(t) for t in np.argsort(-counts, kind="stable")]
+    chosen = list(dict.fromkeys([*always, *ranked]))[:size]
+    return sorted(chosen)
 
 
 def read_sequences(path: Path) -> tuple[list[list[int]], list[int]]:

@@ -97,7 +97,8 @@ def kl_loss(target_probs: Tensor, draft_logits: Tensor, valid: Tensor | None = N
     valid = _check(target_probs, draft_logits, valid)
     log_q = draft_logits.log_softmax(-1)
     p = target_probs.to(log_q.dtype)
-    per_position = (p * (torch.log(p.clamp(min=1e-30)) - log_q)).sum(-1)  # 0 * log 0 = 0
+    # 0 * log 0 = 0, also where q = 0 (a token outside a drafting vocabulary, log q = -inf).
+    per_position = torch.where(p > 0, p * (torch.log(p.clamp(min=1e-30)) - log_q), 0.0).sum(-1)
     return _mean(per_position, valid)
 
 

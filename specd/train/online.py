@@ -461,13 +461,18 @@ class OnlineLearner:
         """Write ``candidate`` (default: the weights being trained) as a version directory."""
         return write_version(self.weights() if candidate is None else candidate, self.versions_dir, self.num_steps)
 
+    def serve(self, published: Published) -> None:
+        """Make ``published`` fetchable (`version_dir` knows it). Called before the live key names
+        it: a drafter that reads the key at once must find the version, not NOT_FOUND."""
+        self.published[published.version] = published.sha256
+        self.published.move_to_end(published.version)
+
     def make_live(self, published: Published, decision: GateDecision, candidate: D3DModel | None = None) -> None:
         """Record ``published`` as the live version (once the service has announced it) and make
         its weights the gate's new reference; prune old version directories."""
         source = self.weights() if candidate is None else candidate
         self.live.drafter.load_state_dict(source.state_dict())
-        self.published[published.version] = published.sha256
-        self.published.move_to_end(published.version)
+        self.serve(published)
         self.counters.live_version = published.version
         self.counters.live_tau = decision.candidate_tau
         self.counters.versions_published += 1

@@ -5,7 +5,8 @@ Design choices, all for CPU throughput within a few minutes on 2 cores:
 - packed windows of ``seq_len + 1`` tokens sampled uniformly from each domain's token stream
   (documents separated by ``<|endoftext|>``), with the same number of windows per domain in
   every batch, so no domain starves;
-- bf16 autocast (about 2x fp32 on AVX-512 BF16 CPUs), fp32 master weights and loss;
+- bf16 autocast where the CPU computes bf16 natively (about 2x fp32 there), fp32 elsewhere (an
+  AVX2 CPU emulates bf16, far slower): `specd.precision` decides; fp32 master weights and loss;
 - the training step is `torch.compile`d (about 1.5x after a ~1 minute warm-up), and attention
   uses SDPA's fused causal path (`ForwardBatch.dense_causal`);
 - a fixed number of steps (not a time budget), so a build is reproducible on any machine.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from specd.batch import ForwardBatch
+from specd.precision import cpu_autocast, cpu_computes_bf16
 
 
 @dataclass(kw_only=True, slots=True)
@@ -47,8 +49,8 @@ class PretrainConfig:
     """Global gradient-norm clip."""
     seed: int = 0
     """Seed for initialisation and window sampling."""
-    bf16: bool = True
-    """bf16 autocast for the forward pass."""
+    bf16: bool = field(default_factory=cpu_computes_bf16)
+    """bf16 autocast for the forward pass (default: where the CPU computes bf16, `specd.precision`)."""
     compile: bool = True
     """torch.compile the loss computation."""
 
@@ -74,7 +76,7 @@ def causal_lm_loss(model: nn.Module, windows: Tensor, bf16: bool) -> Tensor:
     """Mean next-token cross-entropy over ``[num_windows, seq_len + 1]`` windows."""
     inputs, targets = windows[:, :-1], windows[:, 1:]
     batch = ForwardBatch.dense(inputs)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    with cpu_autocast(bf16):
         logits = model(batch)
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 

@@ -48,11 +48,12 @@ class RecordingEngine(SpeculativeEngine):
         super().__init__(target, drafter, config)
         self.records: list[tuple[int, int, list[int], Tensor]] = []
 
-    def _accept(self, seq, block: list[int], probs: Tensor) -> VerifyResult:
+    def _accept(self, seq, block: list[int], logits: Tensor) -> VerifyResult:
         # ``seq.context`` is still the committed context the block was drafted after.
         if block:
+            probs = self._target_probs(seq, block, logits)
             self.records.append((seq.seq_id, len(seq.context), list(block), probs[: len(block)].clone()))
-        return super()._accept(seq, block, probs)
+        return super()._accept(seq, block, logits)
 
 
 @torch.no_grad()

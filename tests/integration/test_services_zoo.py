@@ -37,7 +37,7 @@ def target(paths):
 
 @pytest.fixture(scope="module")
 def prompts():
-    tokenizer = load_tokenizer(zoo.tokenizer_dir())
+    tokenizer = load_tokenizer(zoo.tokenizer_dir(), zoo=True)
     per_domain = [[tokenizer.encode(item.prompt).ids[-64:] for item in items] for items in zoo.heldout().values()]
     return [p for group in zip(*per_domain) for p in group]
 
@@ -85,8 +85,12 @@ def test_async_drafting_leaves_the_critical_path(paths, target, prompts):
 def test_online_loop_publishes_switches_and_gates(paths, target, prompts, tmp_path):
     """Traces flow verifier -> Redis -> trainer; a gated new version is published; the drafter
     swaps to it between steps while requests keep completing exactly; a worse one is refused."""
+    # The learning rate is 0: this test is about the loop's mechanics (publish, swap, refuse), and
+    # a few 2-trace steps at a real rate can leave every candidate a hair below the live drafter's
+    # held-out τ, so that nothing is ever published (seen once in CI). Unchanged weights score the
+    # same τ, which the gate passes (not worse). Whether distillation raises τ is `bench online`'s.
     trainer_args = ["--steps-per-version", "2", "--batch-size", "2", "--heldout-every", "3", "--min-heldout", "2",
-                    "--anchors-per-seq", "2", "--branches-per-anchor", "2", "--block-ms", "200"]
+                    "--anchors-per-seq", "2", "--branches-per-anchor", "2", "--block-ms", "200", "--lr", "0"]
     stack_config = config(paths, drafters=1, trainer=True, trainer_args=trainer_args,
                           drafter_args=["--poll-seconds", "1"])
     with Stack(stack_config) as stack:

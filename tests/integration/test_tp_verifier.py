@@ -107,6 +107,7 @@ def lockstep_worker(rank: int, port: int, root: Path) -> None:
         target.stop()
     if rank == 0:
         torch.save(results, root / "lockstep.pt")
+    dist.barrier()  # tear gloo down together: a rank gone early was seen to abort at exit (SIGABRT)
     dist.destroy_process_group()
 
 

@@ -69,7 +69,7 @@ def tokenizer_dir(corpora, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tokenizer(tokenizer_dir):
-    return load_tokenizer(tokenizer_dir)
+    return load_tokenizer(tokenizer_dir, zoo=True)
 
 
 @pytest.fixture(scope="module")

@@ -314,7 +314,7 @@ def test_bad_completion_requests(client, case):
 BAD_CHATS = {
     "unknown model": ({"model": "gpt-4"}, "model_not_found"),
     "no messages": ({"messages": []}, None),
-    "unknown role": ({"messages": [{"role": "tool", "content": "x"}]}, None),
+    "unknown role": ({"messages": [{"role": "robot", "content": "x"}]}, None),
     "turn marker in content": ({"messages": [{"role": "user", "content": "a<|im_end|>b"}]}, None),
     "prompt beyond the context": ({"messages": [{"role": "user", "content": "the fox " * MAX_MODEL_LEN}]},
                                   "context_length_exceeded"),

@@ -6,10 +6,10 @@ import pytest
 import torch
 import transformers
 
+from hf_reference import assert_greedy_matches_generate
+
 from specd.batch import ForwardBatch
-from specd.engine import autoregressive
 from specd.models.loading import load_model
-from specd.sampling import SamplingParams
 
 CONFIGS = {
     "untied-gqa2": dict(head_dim=32, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
@@ -69,10 +69,4 @@ def test_bf16_close_to_fp32(tmp_path):
 
 def test_greedy_generation_matches_transformers_generate(tmp_path):
     reference, model = hf_checkpoint(tmp_path, head_dim=16, num_attention_heads=4, num_key_value_heads=2)
-    prompts = [[11, 22, 33, 44], [5, 6]]
-    ours = autoregressive(model, prompts, SamplingParams(max_tokens=24))
-    for prompt, generation in zip(prompts, ours):
-        expected = reference.generate(
-            torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0
-        )[0, len(prompt):].tolist()
-        assert generation.token_ids == expected
+    assert_greedy_matches_generate(reference, model, [[11, 22, 33, 44], [5, 6]])

@@ -8,11 +8,11 @@ import pytest
 import torch
 import transformers
 
+from hf_reference import assert_greedy_matches_generate
+
 from specd.batch import ForwardBatch
 from specd.cli import main
-from specd.engine import autoregressive
 from specd.models.loading import ModelLoadError, load_model
-from specd.sampling import SamplingParams
 
 VOCAB = 211
 CONFIGS = {
@@ -70,13 +70,7 @@ def test_ragged_prefill_and_decode_match_transformers(tmp_path, name):
 
 def test_greedy_generation_matches_transformers_generate(tmp_path):
     reference, model = hf_checkpoint(tmp_path, **CONFIGS["gva2-chunk4"])
-    prompts = [[11, 22, 33, 44, 55, 66], [5, 6]]
-    ours = autoregressive(model, prompts, SamplingParams(max_tokens=24))
-    for prompt, generation in zip(prompts, ours):
-        expected = reference.generate(
-            torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0
-        )[0, len(prompt):].tolist()
-        assert generation.token_ids == expected
+    assert_greedy_matches_generate(reference, model, [[11, 22, 33, 44, 55, 66], [5, 6]])
 
 
 def test_mixture_of_experts_checkpoints_are_rejected_clearly(tmp_path, capsys):

@@ -19,6 +19,7 @@ from specd.sampling import (
     target_probs,
     verify_batch,
     verify_block,
+    verify_greedy,
     verify_tree,
 )
 from specd.tree import TokenTree
@@ -328,3 +329,22 @@ def test_bad_shapes_raise_clear_errors():
         verify_batch(torch.tensor([1, 2, 3]), torch.tensor([0, 2]), None, p, [generator(0)])
     with pytest.raises(ValueError, match="share one anchor"):
         verify_tree(TokenTree.from_paths([(0, [1]), (1, [2])]), None, p[:3], generator(0))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_verify_greedy_equals_verify_block_on_one_hot_probs(seed):
+    """The engine's argmax path for plain greedy requests: the outcome `verify_block` gives on the
+    one-hot probabilities of the same logits, for blocks that match the argmax for a while."""
+    generator = torch.Generator().manual_seed(seed)
+    block_len = int(torch.randint(0, 9, (1,), generator=generator))
+    logits = torch.randn(block_len + 1, 50, generator=generator)
+    logits[:, 7] = logits.max(-1).values  # ties: both must take the first maximum
+    best = logits.argmax(-1)
+    block = best[:block_len].clone()
+    if block_len and seed % 3:
+        wrong = int(torch.randint(0, block_len, (1,), generator=generator))
+        block[wrong] = (block[wrong] + 1) % 50
+    expected = verify_block(block, None, target_probs(logits, SamplingParams(temperature=0.0)), torch.Generator())
+    got = verify_greedy(block.tolist(), logits)
+    assert (got.num_accepted, got.accepted_tokens, got.next_token) == (
+        expected.num_accepted, expected.accepted_tokens, expected.next_token)

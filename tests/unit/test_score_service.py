@@ -3,7 +3,9 @@
 `RemoteScorer` -> gRPC -> `ScoreHandler` -> `LocalScorer` must give the probabilities the trainer
 would compute with the target in its own process (full distributions: bit for bit over the wire;
 top-k: the same ids and log-probs), refuse bad input with a clear status, fail over between
-verifiers, and make one SpecOPD step exactly the local step.
+verifiers, and make one SpecOPD step exactly the local step. The handler keeps to the model's
+context and a per-call budget before the model runs, and shares the target with generation: it
+scores chunk by chunk, releasing the engine's lock between chunks, with the numbers of one pass.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import copy
 import socket
 import threading
+import time
 
 import grpc
 import pytest
@@ -33,6 +36,7 @@ from specd.train.specopd import (
     proposal_tree,
     sample_branches,
 )
+from specd.tree import TokenTree
 
 VOCAB = FLAVOURS["debug"].vocab_size
 
@@ -260,3 +264,190 @@ def assert_same_training(local: SpecOPDTrainer, distant: SpecOPDTrainer) -> None
         assert abs(a.loss - b.loss) <= 1e-6, (a.loss, b.loss)
     for (name, x), y in zip(local.drafter.state_dict().items(), distant.drafter.state_dict().values()):
         assert torch.allclose(x, y, atol=1e-6, rtol=0), name
+
+
+# ---------------------------------------------------------------------------- limits and fairness
+class CountingLock:
+    """The target lock, counting how often it was taken (the handler takes it once per chunk)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.entries = 0
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+        self.entries += 1
+
+    def __exit__(self, *exc_info) -> None:
+        self.lock.release()
+
+
+class CountingPasses:
+    """Counts the target's forward passes while in the ``with`` block."""
+
+    def __init__(self, target) -> None:
+        self.target = target
+        self.passes = 0
+
+    def __enter__(self) -> "CountingPasses":
+        self.handle = self.target.register_forward_pre_hook(lambda *args: setattr(self, "passes", self.passes + 1))
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.handle.remove()
+
+
+def random_ids(num: int, generator: torch.Generator) -> list[int]:
+    return torch.randint(7, VOCAB, (num,), generator=generator).tolist()
+
+
+def test_a_sequence_beyond_the_model_context_is_refused_before_the_model_runs(target, stub):
+    limit = target.config.max_position_embeddings  # the default handler's max_model_len
+    generator = torch.Generator().manual_seed(3)
+    long_context = random_ids(limit + 1, generator)
+    near_full = random_ids(limit - 1, generator)
+    refused = {
+        # The probe: more context tokens than the model has positions.
+        f"the context has {limit + 1} tokens": verifier_pb2.ScoreSequence(
+            context=long_context, tree=_tree([9], [-1], [limit + 1])),
+        # The context fits but a branch runs past the last position (anchor + depth = limit).
+        f"position {limit} (anchor + depth)": verifier_pb2.ScoreSequence(
+            context=near_full, tree=_tree([9, 10], [-1, 0], [limit - 1] * 2)),
+    }
+    for words, sequence in refused.items():
+        request = verifier_pb2.ScoreRequest(sequences=[
+            verifier_pb2.ScoreSequence(context=[5, 6], tree=_tree([9], [-1], [2])), sequence])
+        with CountingPasses(target) as counter, pytest.raises(grpc.RpcError) as caught:
+            stub.Score(request)
+        # As generation refuses a prompt that does not fit: INVALID_ARGUMENT, the limit named.
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+        assert words in caught.value.details() and f"this model's context is {limit} tokens" in caught.value.details()
+        assert counter.passes == 0
+    # The last position itself is allowed.
+    fits = verifier_pb2.ScoreRequest(sequences=[
+        verifier_pb2.ScoreSequence(context=near_full, tree=_tree([9], [-1], [limit - 1]), context_rows=[0])])
+    assert tensor_from_proto(stub.Score(fits).results[0].probs).shape == (2, VOCAB)
+
+
+def test_the_engine_max_model_len_is_the_limit_when_given(target):
+    server, address = serve(ScoreHandler(target, threading.Lock(), max_model_len=16))
+    try:
+        with open_channel(address, ServiceConfig()) as channel, CountingPasses(target) as counter:
+            stub = verifier_pb2_grpc.VerifierStub(channel)
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Score(verifier_pb2.ScoreRequest(sequences=[
+                    verifier_pb2.ScoreSequence(context=list(range(7, 24)), tree=_tree([9], [-1], [17]))]))
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "the context has 17 tokens, but this model's context is 16 tokens" in caught.value.details()
+            assert counter.passes == 0
+            ok = verifier_pb2.ScoreRequest(sequences=[
+                verifier_pb2.ScoreSequence(context=list(range(7, 22)), tree=_tree([9], [-1], [15]))])
+            assert len(stub.Score(ok).results) == 1 and counter.passes > 0
+    finally:
+        server.stop(None)
+
+
+def test_a_request_over_the_per_call_budget_is_resource_exhausted(target):
+    server, address = serve(ScoreHandler(target, threading.Lock(), max_call_tokens=20))
+    try:
+        with open_channel(address, ServiceConfig()) as channel, CountingPasses(target) as counter:
+            stub = verifier_pb2_grpc.VerifierStub(channel)
+            # Two sequences of 8 context tokens + 2 tree nodes: 20 tokens, the budget exactly.
+            sequences = [verifier_pb2.ScoreSequence(context=list(range(7, 15)), tree=_tree([9, 10], [-1, 0], [8, 8]))
+                         for _ in range(2)]
+            assert len(stub.Score(verifier_pb2.ScoreRequest(sequences=sequences)).results) == 2
+            passes = counter.passes
+            sequences[1].tree.tokens.append(11)  # one tree node more: 21 tokens
+            sequences[1].tree.parents.append(1)
+            sequences[1].tree.anchors.append(8)
+            more_context = copy.deepcopy(sequences[0])
+            more_context.context.append(7)  # or one context token more
+            for request in (verifier_pb2.ScoreRequest(sequences=sequences),
+                            verifier_pb2.ScoreRequest(sequences=[sequences[0], more_context])):
+                with pytest.raises(grpc.RpcError) as caught:
+                    stub.Score(request)
+                assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                details = caught.value.details()
+                assert "21 tokens" in details and "per-call budget of 20 tokens" in details
+            assert counter.passes == passes  # refused before the model
+    finally:
+        server.stop(None)
+
+
+def test_chunked_scoring_equals_one_pass_over_the_request(target):
+    """Chunks only regroup the sequences: each one's probabilities are those of one pass over all."""
+    generator = torch.Generator().manual_seed(6)
+    contexts = [random_ids(n, generator) for n in (30, 30, 200, 10, 10, 10)]
+    # Five nodes each, two branches at two anchors: a chunk costs len(chunk) * (context + 5).
+    trees = [TokenTree.from_paths([(len(c), random_ids(3, generator)), (len(c) - 2, random_ids(2, generator))])
+             for c in contexts]
+    rows = [[0, len(c) - 1] for c in contexts]
+    request = verifier_pb2.ScoreRequest(sequences=[
+        verifier_pb2.ScoreSequence(context=c, tree=tree_to_proto(t), context_rows=r)
+        for c, t, r in zip(contexts, trees, rows)
+    ])
+    whole = LocalScorer(target).score(contexts, trees, rows)
+    # Default: one chunk, the very same pass. 75: [30, 30] (2 x 35), [200] alone (larger than a
+    # chunk), [10, 10, 10] (3 x 15). 1: every sequence alone.
+    for max_chunk_tokens, num_chunks in ((4096, 1), (75, 3), (1, len(contexts))):
+        lock = CountingLock()
+        server, address = serve(ScoreHandler(target, lock, max_chunk_tokens=max_chunk_tokens))
+        try:
+            with open_channel(address, ServiceConfig()) as channel:
+                results = verifier_pb2_grpc.VerifierStub(channel).Score(request).results
+        finally:
+            server.stop(None)
+        chunked = [tensor_from_proto(r.probs) for r in results]
+        assert lock.entries == num_chunks
+        worst = max(float((a - b).abs().max()) for a, b in zip(chunked, whole))
+        print(f"max_chunk_tokens={max_chunk_tokens} ({num_chunks} chunks): max |p_chunked - p_whole| = {worst:.2e}")
+        if num_chunks == 1:
+            assert all(torch.equal(a, b) for a, b in zip(chunked, whole))
+        for a, b in zip(chunked, whole):
+            # Another padding changes fp32 rounding only (matmul and softmax over other shapes).
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_an_engine_step_gets_the_target_between_score_chunks(target):
+    """While a large Score call runs, a thread stepping like the engine waits at most ~one chunk."""
+    lock = threading.Lock()
+    server, address = serve(ScoreHandler(target, lock))  # the defaults the verifier runs with
+    generator = torch.Generator().manual_seed(7)
+    # 2100 context tokens each: two do not fit the default 4096-token chunk, so 12 chunks.
+    sequences = [verifier_pb2.ScoreSequence(context=random_ids(2100, generator), context_rows=[2099],
+                                            tree=_tree([9, 10, 11], [-1, 0, 1], [2100] * 3)) for _ in range(12)]
+    waits: list[tuple[float, float]] = []  # (asked, got) per step, time.monotonic()
+    stepping, stop = threading.Event(), threading.Event()
+
+    def engine_steps() -> None:
+        while not stop.is_set():
+            asked = time.monotonic()
+            with lock:
+                waits.append((asked, time.monotonic()))
+                stepping.set()
+                time.sleep(0.002)  # a step's pass
+            time.sleep(0.001)  # its bookkeeping outside the lock
+
+    engine = threading.Thread(target=engine_steps, daemon=True)
+    try:
+        with open_channel(address, ServiceConfig(deadline_seconds=120)) as channel:
+            stub = verifier_pb2_grpc.VerifierStub(channel)
+            engine.start()
+            assert stepping.wait(10)
+            start = time.monotonic()
+            assert len(stub.Score(verifier_pb2.ScoreRequest(sequences=sequences)).results) == len(sequences)
+            end = time.monotonic()
+    finally:
+        stop.set()
+        engine.join(10)
+        server.stop(None)
+    total = end - start
+    during = [(asked, got) for asked, got in waits if got > start and asked < end]  # waits overlapping the call
+    steps = sum(start < got < end for _, got in during)
+    longest = max(got - asked for asked, got in during)
+    print(f"Score took {total:.3f} s; {steps} engine steps in it, the longest wait {longest:.3f} s")
+    # Held for the whole call, the engine would wait ~the whole call once, stepping only while the
+    # request is parsed and answered (a few steps); released between the 12 chunks, it steps ~once
+    # per chunk and waits ~one chunk, a few at worst when the handler takes the lock straight back.
+    assert steps >= 8
+    assert longest < total / 3

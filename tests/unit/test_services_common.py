@@ -166,7 +166,7 @@ def test_params_absent_fields_take_defaults():
         (common_pb2.SamplingParams(temperature=math.nan), "temperature must be a finite number"),
         (common_pb2.SamplingParams(top_p=0.0), "top_p must be in (0, 1]"),
         (common_pb2.SamplingParams(top_p=math.inf), "top_p must be a finite number"),
-        (common_pb2.SamplingParams(top_k=-2), "top_k must be >= 0"),
+        (common_pb2.SamplingParams(top_k=-2), "top_k must be in [0, 2**31 - 1]"),
         (common_pb2.SamplingParams(max_tokens=-5), "max_tokens must be >= 1"),
     ],
 )
@@ -361,6 +361,18 @@ def test_auth_refuses_missing_and_wrong_tokens_on_every_kind_of_call(echo_server
     with open_channel(address, ServiceConfig(auth_token="s3cret")) as channel:
         assert _call(channel, method, b"ab") in (b"unary:ab", b"abab")
     assert echo.seen[method]["metadata"]["authorization"] == "Bearer s3cret"
+
+
+def test_lowercase_bearer_scheme_is_accepted_over_grpc_as_over_http(echo_server):
+    # The auth scheme is case-insensitive (RFC 7235); HTTP took "bearer", gRPC refused it.
+    address, echo, _ = echo_server(ServiceConfig(auth_token="s3cret"))
+    with grpc.insecure_channel(address) as channel:
+        unary = channel.unary_unary(f"/{ECHO}/Unary")
+        for scheme in ("bearer", "BEARER", "Bearer"):
+            assert unary(b"ab", metadata=[("authorization", f"{scheme} s3cret")], timeout=10) == b"unary:ab"
+        with pytest.raises(grpc.RpcError) as error:
+            unary(b"ab", metadata=[("authorization", "Basic s3cret")], timeout=10)
+        assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_health_is_exempt_from_auth_and_reflection_lists_the_services(echo_server):

@@ -25,19 +25,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15specd/v1/common.proto\x12\x08specd.v1\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\xe6\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokens\"Q\n\nDraftBlock\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x1f\n\x05probs\x18\x02 \x01(\x0b\x32\x10.specd.v1.Tensor\x12\x12\n\nconfidence\x18\x03 \x03(\x02\"=\n\tTokenTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x0f\n\x07\x61nchors\x18\x03 \x03(\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15specd/v1/common.proto\x12\x08specd.v1\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\xbd\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0c \x01(\x05H\t\x88\x01\x01\x12;\n\nlogit_bias\x18\r \x03(\x0b\x32\'.specd.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokens\"Q\n\nDraftBlock\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x1f\n\x05probs\x18\x02 \x01(\x0b\x32\x10.specd.v1.Tensor\x12\x12\n\nconfidence\x18\x03 \x03(\x02\"=\n\tTokenTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x0f\n\x07\x61nchors\x18\x03 \x03(\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specd.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_TENSOR']._serialized_start=35
   _globals['_TENSOR']._serialized_end=87
   _globals['_SAMPLINGPARAMS']._serialized_start=90
-  _globals['_SAMPLINGPARAMS']._serialized_end=320
-  _globals['_DRAFTBLOCK']._serialized_start=322
-  _globals['_DRAFTBLOCK']._serialized_end=403
-  _globals['_TOKENTREE']._serialized_start=405
-  _globals['_TOKENTREE']._serialized_end=466
+  _globals['_SAMPLINGPARAMS']._serialized_end=663
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=464
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=512
+  _globals['_DRAFTBLOCK']._serialized_start=665
+  _globals['_DRAFTBLOCK']._serialized_end=746
+  _globals['_TOKENTREE']._serialized_start=748
+  _globals['_TOKENTREE']._serialized_end=809
 # @@protoc_insertion_point(module_scope)

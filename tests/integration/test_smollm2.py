@@ -1,0 +1,132 @@
+"""The real model: specd's SmolLM2-135M (the zoo's ``smollm2-135m``) against transformers'
+LlamaForCausalLM on the same converted checkpoint, through specd's own batched, cached passes
+(ragged prefill, then decode steps) and through its plain greedy decoding and chat template."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer
+
+from specd import zoo
+from specd.batch import ForwardBatch
+from specd.data import parse_chat
+from specd.data.chat import ChatTemplate
+from specd.drafters.ngram import NgramDrafter
+from specd.engine import EngineConfig, SpeculativeEngine, autoregressive
+from specd.models.llama import LlamaForCausalLM
+from specd.models.loading import load_model
+from specd.sampling import SamplingParams
+from specd.tree import TokenTree
+
+pytestmark = pytest.mark.zoo
+
+DECODE_STEPS = 32
+
+
+@pytest.fixture(scope="module")
+def directory():
+    return zoo.ensure("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def ours(directory):
+    model = load_model(directory)
+    assert isinstance(model, LlamaForCausalLM)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def theirs(directory):
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(directory):
+    return Tokenizer.from_file(str(directory / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(directory, tokenizer):
+    """Two held-out chats of each of the zoo's four domains, in SmolLM2's own template."""
+    template = ChatTemplate.from_dir(directory)
+    prompts = []
+    for items in zoo.heldout().values():
+        chats = [messages for messages in (_messages(item.prompt) for item in items) if messages]
+        for messages in chats[:2]:
+            prompts.append(tokenizer.encode(template.render(messages)).ids[-160:])
+    assert len(prompts) == 8
+    return prompts
+
+
+def _messages(text: str) -> list[dict]:
+    try:
+        return parse_chat(text)
+    except ValueError:  # a code head, not a chat: give it to the model as a user turn
+        return [{"role": "user", "content": text}]
+
+
+def test_the_chat_template_renders_what_transformers_renders(directory):
+    reference = transformers.AutoTokenizer.from_pretrained(directory)
+    template = ChatTemplate.from_dir(directory)
+    for messages in ([{"role": "user", "content": "Hi"}],
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+                      {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"}]):
+        for add in (False, True):
+            expected = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
+            assert template.render(messages, add_generation_prompt=add) == expected
+    assert template.render([{"role": "user", "content": "Hi"}]).startswith("<|im_start|>system\nYou are a helpful")
+
+
+def test_ragged_prefill_and_decode_logits_match_transformers(ours, theirs, chat_prompts):
+    prompts = chat_prompts[:4]
+    # transformers' own greedy continuation and its logits at every step, one prompt at a time.
+    expected_tokens, expected_logits = [], []
+    with torch.inference_mode():
+        for prompt in prompts:
+            out = theirs.generate(torch.tensor([prompt]), max_new_tokens=DECODE_STEPS, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+            expected_tokens.append(out.sequences[0, len(prompt):].tolist())
+            expected_logits.append(torch.cat(out.logits))  # [steps, vocab]: step 0 is the prefill's last
+    # specd: one ragged prefill of all four, then decode steps fed transformers' tokens.
+    worst = 0.0
+    with torch.inference_mode():
+        cache = ours.new_cache(len(prompts), capacity=256)
+        feed = [list(p) for p in prompts]
+        for step in range(DECODE_STEPS):
+            trees = [TokenTree.chain(tokens, int(length)) for tokens, length in zip(feed, cache.lengths)]
+            batch = ForwardBatch.from_trees(trees, cache.lengths)
+            logits = ours(batch, cache)
+            cache.commit(batch, [list(range(t.num_nodes)) for t in trees])
+            last = logits[torch.arange(len(prompts)), batch.last_index()]
+            for b in range(len(prompts)):
+                worst = max(worst, float((last[b] - expected_logits[b][step]).abs().max()))
+            feed = [[tokens[step]] for tokens in expected_tokens]
+    print(f"SmolLM2 ragged prefill + {DECODE_STEPS} decode steps: max |logit diff| = {worst:.2e}")
+    assert worst <= 1e-4
+
+
+def test_greedy_text_equals_transformers_greedy_text(ours, theirs, tokenizer, chat_prompts):
+    max_tokens = 48
+    ours_out = autoregressive(ours, chat_prompts, SamplingParams(max_tokens=max_tokens))
+    with torch.inference_mode():
+        for prompt, generation in zip(chat_prompts, ours_out):
+            expected = theirs.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                                       eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+            assert tokenizer.decode(generation.token_ids) == tokenizer.decode(expected)
+
+
+@pytest.mark.parametrize("num_seqs,block", [(1, 4), (4, 8)])
+def test_speculative_greedy_output_equals_plain_greedy_output(ours, chat_prompts, num_seqs, block):
+    """Block verification runs the few-row products (`linear`: W @ x.T up to 6 rows) and, at
+    4 x 9 rows, F.linear; plain decoding the one-row path. Their rounding differs, their greedy
+    output must not."""
+    prompts = chat_prompts[-num_seqs:]
+    params = SamplingParams(max_tokens=40)
+    expected = [g.token_ids for g in autoregressive(ours, prompts, params)]
+    drafter = NgramDrafter(vocab_size=ours.config.vocab_size)
+    engine = SpeculativeEngine(ours, drafter, EngineConfig(max_num_seqs=num_seqs, block_size=block, mode="sync"))
+    assert [g.token_ids for g in engine.generate(prompts, params)] == expected
+    engine.close()
+    assert engine.stats.tau > 1.0  # it did speculate

@@ -1,0 +1,169 @@
+"""A drafter built from a pretrained target: Llama-shaped layers taken from the target, its
+embedding and head shared (tied heads, frozen in training), and an FR-Spec drafting vocabulary.
+Speculation with it stays lossless, and its head is exactly the target's rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specd.drafters.d3d import D3DDrafter
+from specd.engine import EngineConfig, SpeculativeEngine, autoregressive
+from specd.models.d3d import D3DModel
+from specd.models.llama import FLAVOURS, LlamaForCausalLM
+from specd.models.loading import load_model, save_model
+from specd.sampling import SamplingParams
+from specd.train.drafter import DrafterTrainConfig, draft_vocabulary, init_from_target, train_drafter
+from specd.zoo import shared_drafter_config
+
+VOCAB = FLAVOURS["debug"].vocab_size
+DRAFT_VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(FLAVOURS["debug"]).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)  # greedy text with structure (the head is tied to the embedding)
+    return model
+
+
+def prompts(num: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(num)
+    return [torch.randint(3, VOCAB, (int(n),), generator=generator).tolist()
+            for n in torch.randint(3, 20, (num,), generator=generator)]
+
+
+def shared_drafter(target, vocab: list[int], reads_target: bool = False) -> D3DModel:
+    config = shared_drafter_config(target.config, num_hidden_layers=1, draft_vocab_size=len(vocab),
+                                   mask_token_id=1, reads_target=reads_target)
+    drafter = D3DModel(config)
+    drafter.set_draft_vocab(vocab)
+    assert init_from_target(drafter, target, layers_from=[1])
+    return drafter.eval()
+
+
+def test_draft_vocabulary_ranks_response_tokens_and_keeps_stop_tokens():
+    sequences = [[9, 9, 5, 5, 5, 4], [9, 8, 5, 7, 7]]
+    prompt_lens = [2, 1]  # 9s in the prompts do not count
+    assert draft_vocabulary(sequences, prompt_lens, 3, always=(0,)) == [0, 5, 7]
+    assert draft_vocabulary(sequences, prompt_lens, 2) == [5, 7]
+
+
+def test_the_heads_are_the_targets_rows_and_minus_inf_elsewhere(target):
+    vocab = list(range(0, 2 * DRAFT_VOCAB, 2))
+    drafter = shared_drafter(target, vocab)
+    assert drafter.ar_head is drafter.lm_head
+    assert torch.equal(drafter.lm_head.weight, target.lm_head.weight[vocab])
+    assert torch.equal(drafter.layers[0].mlp.down_proj.weight, target.model.layers[1].mlp.down_proj.weight)
+    hidden = torch.randn(3, FLAVOURS["debug"].hidden_size)
+    logits = drafter.lm_head(hidden)
+    assert logits.shape == (3, VOCAB)
+    expected = hidden @ target.lm_head.weight.t()
+    torch.testing.assert_close(logits[:, vocab], expected[:, vocab])
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[vocab] = False
+    assert bool(torch.isneginf(logits[:, outside]).all())
+    targets = torch.tensor([0, 1, 2, -100, 2 * DRAFT_VOCAB - 2])
+    assert drafter.lm_head.draft_targets(targets).tolist() == [0, -100, 1, -100, DRAFT_VOCAB - 1]
+
+
+def test_a_drafting_vocabulary_must_fit(target):
+    config = shared_drafter_config(target.config, num_hidden_layers=1, draft_vocab_size=4, mask_token_id=1)
+    drafter = D3DModel(config)
+    with pytest.raises(ValueError, match="4 distinct ids"):
+        drafter.set_draft_vocab([1, 2, 3])
+    with pytest.raises(ValueError, match="4 distinct ids"):
+        drafter.set_draft_vocab([1, 2, 3, VOCAB])
+
+
+def test_saved_and_loaded_with_one_head_and_integer_ids(target, tmp_path):
+    vocab = list(range(DRAFT_VOCAB))
+    drafter = shared_drafter(target, vocab)
+    save_model(drafter, tmp_path)
+    loaded = load_model(tmp_path)
+    assert loaded.ar_head is loaded.lm_head
+    assert loaded.lm_head.vocab.dtype == torch.long and loaded.lm_head.vocab.tolist() == vocab
+    hidden = torch.randn(2, FLAVOURS["debug"].hidden_size)
+    assert torch.equal(loaded.lm_head(hidden), drafter.lm_head(hidden))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("num_seqs", [1, 4])
+def test_greedy_with_a_shared_drafter_equals_plain_greedy(target, mode, num_seqs):
+    batch = prompts(num_seqs)
+    params = SamplingParams(max_tokens=20)
+    expected = [g.token_ids for g in autoregressive(target, batch, params)]
+    drafter = D3DDrafter(shared_drafter(target, list(range(DRAFT_VOCAB))), max_num_seqs=num_seqs)
+    engine = SpeculativeEngine(target, drafter, EngineConfig(max_num_seqs=num_seqs, block_size=4, mode=mode))
+    got = [g.token_ids for g in engine.generate(batch, params)]
+    engine.close()
+    assert got == expected
+
+
+def test_sampled_drafts_never_propose_a_token_outside_the_vocabulary(target):
+    vocab = list(range(0, 2 * DRAFT_VOCAB, 2))
+    drafter = D3DDrafter(shared_drafter(target, vocab), max_num_seqs=2)
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=5)
+    engine = SpeculativeEngine(target, drafter, EngineConfig(max_num_seqs=2, block_size=4, mode="sync"))
+    proposed = []
+    original = drafter._block
+
+    def spy(seq, logits, block_size, sampling):
+        block = original(seq, logits, block_size, sampling)
+        proposed.extend(block.tokens)
+        return block
+
+    drafter._block = spy
+    engine.generate(prompts(2), params)
+    engine.close()
+    assert proposed and set(proposed) <= set(vocab)
+
+
+def test_training_leaves_frozen_weights_exactly_as_the_target_has_them(target, tmp_path):
+    vocab = list(range(DRAFT_VOCAB))
+    drafter = shared_drafter(target, vocab).train()
+    head, layer = drafter.lm_head.weight.clone(), drafter.layers[0].mlp.up_proj.weight.clone()
+    sequences = [p + p for p in prompts(6)]
+    config = DrafterTrainConfig(steps=3, batch_size=2, seq_len=32, groups_per_seq=2, warmup_steps=1, bf16=False,
+                                frozen=("embed_tokens", "lm_head", "ar_head"))
+    train_drafter(drafter, sequences, [len(s) // 2 for s in sequences], config, tmp_path / "work", pad_id=0)
+    assert torch.equal(drafter.lm_head.weight, head)
+    assert torch.equal(drafter.embed_tokens.weight, target.model.embed_tokens.weight)
+    assert not torch.equal(drafter.layers[0].mlp.up_proj.weight, layer)
+    assert all(p.requires_grad for p in drafter.parameters())
+
+
+def test_distillation_moves_the_drafter_toward_the_targets_distributions(target, tmp_path):
+    """Soft targets (the target's own next-token distributions over the drafting vocabulary):
+    the drafter's AR head ends closer to them, in KL, than it started."""
+    from specd.batch import ForwardBatch
+    from specd.train.drafter import target_soft_labels
+
+    torch.manual_seed(1)
+    vocab = list(range(DRAFT_VOCAB))
+    config = shared_drafter_config(target.config, num_hidden_layers=1, draft_vocab_size=DRAFT_VOCAB, mask_token_id=1)
+    drafter = D3DModel(config)  # random: far from the target to begin with
+    drafter.set_draft_vocab(vocab)
+    sequences = [p + p for p in prompts(8)]
+    tokens = torch.tensor([sequences[0]])
+
+    def kl() -> float:
+        with torch.no_grad():
+            p = target_soft_labels(target, tokens, drafter.lm_head, bf16=False)[0]
+            log_q = drafter.ar_head.draft_logits(drafter.hidden_states(ForwardBatch.dense(tokens))[0]).log_softmax(-1)
+            return float((p * (p.clamp(min=1e-30).log() - log_q)).sum(-1).mean())
+
+    before = kl()
+    training = DrafterTrainConfig(steps=40, batch_size=4, seq_len=32, groups_per_seq=2, warmup_steps=2, lr=3e-3,
+                                  bf16=False, distill=True)
+    train_drafter(drafter, sequences, [len(s) // 2 for s in sequences], training, tmp_path / "work", target=target, pad_id=0)
+    assert kl() < 0.8 * before
+
+
+def test_distillation_needs_the_target(target, tmp_path):
+    drafter = shared_drafter(target, list(range(DRAFT_VOCAB)))
+    config = DrafterTrainConfig(steps=1, batch_size=1, seq_len=16, groups_per_seq=1, bf16=False, distill=True)
+    with pytest.raises(ValueError, match="pass target"):
+        train_drafter(drafter, [list(range(3, 30))], [5], config, tmp_path / "work", pad_id=0)
