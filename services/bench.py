@@ -19,26 +19,17 @@ A table, JSON and PNG plots. ``--quick`` runs fewer levels and requests (minutes
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import statistics
-import threading
-import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import grpc
 from matplotlib.figure import Figure
 from tqdm import tqdm
 
-from services.client import Completion, grpc_completion, metrics, stream_completion
-from services.common.config import ServiceConfig
-from services.common.server import open_channel
-from services.up import Stack, StackConfig
-from specd._proto.v1 import verifier_pb2_grpc
+from services.client import metrics
+from services.load import clients_off_verifier_cores, run_level, sender
+from services.up import Stack, StackConfig, zoo_model
 from specd.plan.compare import spread as round_spread
 
 
@@ -146,38 +137,6 @@ def prompts(max_prompt_tokens: int = 96) -> list[list[int]]:
     return [p for group in zip(*per_domain) for p in group]
 
 
-def run_level(send: Callable[[list[int], int], Completion], pool: list[list[int]], concurrency: int,
-              requests: int, max_tokens: int) -> tuple[list, float, list[str]]:
-    """A closed loop of ``concurrency`` clients sending ``requests`` requests in all (request i
-    sends ``pool[i % len(pool)]``); the completions come back in the order they were sent, each
-    with its prompt's index in the pool."""
-    results, errors = [], []
-    lock = threading.Lock()
-    next_index = iter(range(requests))
-
-    def client() -> None:
-        while True:
-            with lock:
-                i = next(next_index, None)
-            if i is None:
-                return
-            try:
-                result = send(pool[i % len(pool)], max_tokens)
-                result.prompt_index = i % len(pool)
-                with lock:
-                    results.append((i, result))
-            except (OSError, grpc.RpcError) as err:
-                with lock:
-                    errors.append(str(err))
-
-    start = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as executor:
-        for future in [executor.submit(client) for _ in range(concurrency)]:
-            future.result()
-    results.sort(key=lambda item: item[0])  # the order they were sent
-    return [r for _, r in results], time.perf_counter() - start, errors
-
-
 def bench_serve(settings: ServeSettings, target: str, drafter: str) -> list[ServeRow]:
     pool = prompts()
     chosen = [d for d in DEPLOYMENTS if d.name in settings.deployments]
@@ -204,9 +163,9 @@ def _serve_deployment(settings: ServeSettings, deployment: Deployment, target: s
                          block_size=settings.block_size, max_num_seqs=settings.max_num_seqs, pin=settings.pin,
                          verifier_http_port=18000, verifier_grpc_port=51051, drafter_port=51052)
     rows = []
-    with Stack(config) as stack, _clients_off_verifier_cores(stack):
+    with Stack(config) as stack, clients_off_verifier_cores(stack):
         base = stack.verifiers[0].http
-        send = _sender(settings.client, stack, Path(target).name)
+        send = sender(settings.client, stack, Path(target).name)
         stack.wait_drafting()
         run_level(send, pool, 1, 2, 8)  # warm up: first passes allocate and fill caches
         for concurrency in settings.concurrency:
@@ -248,37 +207,6 @@ def _median_rounds(rounds: list[list[ServeRow]]) -> list[ServeRow]:
         row.drafter_free = statistics.median(r.drafter_free for r in same)
         out.append(row)
     return out
-
-
-@contextlib.contextmanager
-def off_cores(cores: set[int | None]):
-    """This process (the load generator, the measuring client) stays off ``cores`` (the
-    services') where the machine has others: its work would otherwise slow the very passes
-    being measured."""
-    mine = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set()
-    others = mine - cores
-    if not others or others == mine:
-        yield
-        return
-    os.sched_setaffinity(0, others)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, mine)
-
-
-def _clients_off_verifier_cores(stack: Stack):
-    return off_cores({v.core for v in stack.verifiers})
-
-
-def _sender(client: str, stack: Stack, model: str) -> Callable[[list[int], int], Completion]:
-    """One streaming greedy request through the chosen API: the OpenAI HTTP API or gRPC Generate."""
-    if client == "grpc":
-        stub = verifier_pb2_grpc.VerifierStub(open_channel(stack.verifiers[0].grpc, ServiceConfig()))
-        return lambda prompt, max_tokens: grpc_completion(stub, prompt, max_tokens)
-    base = stack.verifiers[0].http
-    return lambda prompt, max_tokens: stream_completion(
-        base, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
 
 
 def _row(deployment: Deployment, concurrency: int, results: list, seconds: float, errors: list[str],
@@ -369,8 +297,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from services.up import _zoo_model
-
     settings = ServeSettings(pin=not args.no_pin, max_tokens=args.max_tokens, client=args.client, repeats=args.repeats)
     if args.quick:
         settings.concurrency, settings.requests_per_level = (1, 4, 16), 16
@@ -382,8 +308,8 @@ def run(args) -> int:
         if unknown:
             raise ValueError(f"unknown deployments {unknown}; choose from {[d.name for d in DEPLOYMENTS]}")
         settings.deployments = ("plain", *[n for n in names if n != "plain"])  # plain is the baseline
-    target = args.target or _zoo_model("qwen3-tiny")
-    drafter = args.drafter or _zoo_model("d3d-qwen3-tiny")
+    target = args.target or zoo_model("qwen3-tiny")
+    drafter = args.drafter or zoo_model("d3d-qwen3-tiny")
     rows = bench_serve(settings, target, drafter)
     print(format_table(rows))
     print("no-draft: the speedup if drafting cost the verifier nothing — tau x plain's step (pass + overhead) "

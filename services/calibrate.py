@@ -1,6 +1,11 @@
 """What the services add to the passes, measured through real processes: `specd bench profile`'s
 serving part (on unless ``--no-services``).
 
+The services register this module as the `specd bench profile` command (entry-point group
+``specd.commands``, `specd.cli`): `run` composes the in-process part (`specd.bench.profile.measure`,
+the same flags) with this calibration (`measure_services`). The library never imports it; with
+no services installed, `specd bench profile` is the in-process part alone.
+
 A pass measured in one process is not what a deployment pays for it. The simulator's profile
 therefore also holds two measurements made through the same processes `specd bench serve`
 starts (`services.up.Stack`, pinned to cores the same way):
@@ -22,20 +27,36 @@ starts (`services.up.Stack`, pinned to cores the same way):
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from services.bench import _clients_off_verifier_cores, _sender, off_cores, run_level
 from services.client import metrics
 from services.common.config import ServiceConfig
+from services.load import clients_off_verifier_cores, off_cores, run_level, sender
 from services.up import Stack, StackConfig, free_port
 from services.verifier.drafter_pool import RemoteDrafters
-from specd.bench.profile import ProfileSettings, measure_drafter
-from specd.plan.profile import CostTable
+from specd.bench import profile as bench_profile
+from specd.bench.profile import ProfileSettings, add_scales, measure_drafter, median_rounds
+from specd.plan.profile import CostTable, parse_profile
+from specd.plan.sim import Lengths
 
 VERIFIER_LEVELS = (1, 4, 16, 64)
+QUICK_LEVELS = (1, 16)
+"""The verifier's concurrency levels with ``--quick``."""
+
+add_arguments = bench_profile.add_arguments  # the same flags as the in-process part's
+
+
+def run(args: argparse.Namespace) -> int:
+    """`specd bench profile`: the in-process part, then (unless ``--no-services``) the services'."""
+    measured = bench_profile.measure(args, services=not args.no_services)
+    if not args.no_services:
+        measure_services(measured.profile, measured.settings, str(measured.target_dir), str(measured.drafter_dir),
+                         measured.drafter, measured.pool, levels=QUICK_LEVELS if args.quick else VERIFIER_LEVELS)
+    return bench_profile.write(measured.profile, args)
 
 
 def _ports() -> dict[str, int]:
@@ -74,9 +95,9 @@ def measure_verifier_serving(target_dir: str, pool: list[list[int]], *, levels: 
     if drafter_dir:
         out["tokens_per_row"] = []  # 1 + the mean verified block: the pass's shape
         out["draft_seconds"] = []  # the mean wait for one blocking Draft call
-    with Stack(config) as stack, _clients_off_verifier_cores(stack):
+    with Stack(config) as stack, clients_off_verifier_cores(stack):
         base = stack.verifiers[0].http
-        send = _sender("http", stack, Path(target_dir).name)
+        send = sender("http", stack, Path(target_dir).name)
         if drafter_dir:
             stack.wait_drafting()
         run_level(send, pool, 1, 2, 8)  # warm up: first passes allocate
@@ -113,3 +134,54 @@ def measure_verifier_serving(target_dir: str, pool: list[list[int]], *, levels: 
             if progress is not None:
                 progress.update()
     return out
+
+
+def measure_services(profile: dict, settings: ProfileSettings, target_dir: str, drafter_dir: str,
+                     drafter_model: torch.nn.Module, prompts: list[list[int]], *, levels: tuple[int, ...]) -> None:
+    """Add what the services cost beyond the passes (module docstring) to ``profile``: the
+    drafter tables become round trips through a replica (the bare passes stay as ``drafter_pass``
+    and ``speculate_pass``), and ``serving.verifier`` gets a plain verifier's step overhead and
+    in-service pass cost by rows. The pass's in-service cost is a ratio: the measured mean pass
+    over the simulator's mean pass for the same level (the same requests replayed in the same
+    order by the same closed loop). ``serving.speculative`` is the same verifier speculating
+    (async, one drafter replica): its step time outside the pass and its blocking drafter calls,
+    and its pass over the simulated pass with the block fixed at the measured mean, and its
+    blocking Draft wait over the simulated one (`add_scales`); ``serving.speculative_sync`` the
+    same drafting synchronously — its step waits for a Draft round trip before every pass, and
+    its ratios differ from async's, so sync deployments get their own. With ``settings.rounds``
+    the three run round robin, each round starting its services afresh."""
+    points = len(settings.batches) * (len(settings.tails) + len(settings.budgets) * (1 + len(settings.extra_blocks)))
+    modes = ("plain", "async", "sync")
+    with tqdm(total=points + len(modes) * settings.rounds * len(levels), desc="bench profile: services",
+              unit="point") as progress:
+        draft_table, speculate_table, _ = measure_drafter_service(drafter_dir, drafter_model, settings, progress=progress)
+        rounds: dict[str, list[dict]] = {mode: [] for mode in modes}
+        for _ in range(settings.rounds):
+            for mode in modes:  # round robin: a slow minute lands on one round of each mode
+                rounds[mode].append(measure_verifier_serving(
+                    target_dir, prompts, levels=levels, max_tokens=settings.max_tokens, progress=progress,
+                    # plain: no drafter (the mode then means nothing; the default stands in)
+                    drafter_dir="" if mode == "plain" else drafter_dir, mode="async" if mode == "plain" else mode))
+    verifier, speculating, synchronous = (median_rounds(rounds[mode]) for mode in modes)
+    profile["drafter_pass"] = {k: profile["drafter"][k] for k in ("batch", "tokens", "seconds")}
+    profile["speculate_pass"] = {k: profile["speculate"][k] for k in ("batch", "tokens", "seconds")}
+    profile["drafter"]["seconds"] = draft_table.seconds
+    profile["speculate"]["seconds"] = speculate_table.seconds
+    bare = parse_profile(profile, source="the measured profile")
+    prompt_lengths = Lengths.parse(profile["workload"]["prompt_tokens"])
+    outputs = Lengths.parse([min(n, settings.max_tokens) for n in profile["workload"]["output_tokens"]])
+    add_scales(bare, verifier, prompt_lengths, outputs)
+    add_scales(bare, speculating, prompt_lengths, outputs, mode="async")
+    add_scales(bare, synchronous, prompt_lengths, outputs, mode="sync")
+
+    def by_rows(columns: dict) -> dict:
+        order = sorted(range(len(columns["rows"])), key=columns["rows"].__getitem__)
+        keep = [i for n, i in enumerate(order) if n == 0 or columns["rows"][i] > columns["rows"][order[n - 1]]]
+        return {k: [v[i] for i in keep] for k, v in columns.items()}
+
+    profile["serving"] = {"drafter_round_trips": True, "verifier": by_rows(verifier), "speculative": by_rows(speculating),
+                          "speculative_sync": by_rows(synchronous)}
+    profile["notes"] += ("; drafter tables: round trips through a drafter replica from another process (loopback "
+                         "gRPC included); serving.verifier: a plain verifier service under closed-loop HTTP load; "
+                         "serving.speculative: the same verifier speculating (async) with one drafter replica; "
+                         "serving.speculative_sync: the same, drafting synchronously")

@@ -511,7 +511,7 @@ def _ignore_stop_signals() -> None:
         signal.signal(signum, signal.SIG_IGN)
 
 
-def _zoo_model(name: str) -> str:
+def zoo_model(name: str) -> str:
     """A directory as it is, or a zoo model's directory (it must be built)."""
     from specd import zoo
 
@@ -541,8 +541,8 @@ def run(args) -> int:
     """`specd up`: start the stack, supervise it (a service that dies is restarted) until Ctrl-C,
     SIGTERM or SIGHUP, then stop it; 0 after a stop, 1 when it did not start."""
     try:
-        target = _zoo_model(args.target or DEFAULT_TARGET)
-        drafter = _zoo_model(args.drafter) if args.drafter else _default_drafter(target)
+        target = zoo_model(args.target or DEFAULT_TARGET)
+        drafter = zoo_model(args.drafter) if args.drafter else _default_drafter(target)
     except StackError as err:
         print(f"specd up: {err}", file=sys.stderr)
         return 1

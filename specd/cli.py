@@ -17,6 +17,10 @@
     specd plan --profile F --gpus N    drafter:verifier split + block length by simulation; Helm override
     specd up [--drafters N] ...        the services on this machine (Redis, trainer, drafters, verifiers)
 
+`specd up`, `specd bench serve` and the calibration in `specd bench profile` come with the
+services (`services/`, entry-point group ``specd.commands``: see `Command`); without them,
+`specd bench profile` times the passes in this process only.
+
 Errors a user can cause (a missing directory, an unsupported architecture, ids outside the
 vocabulary, an empty prompt) print one line saying what was wrong and exit with status 2.
 """
@@ -24,9 +28,14 @@ vocabulary, an empty prompt) print one line saying what was wrong and exit with 
 from __future__ import annotations
 
 import argparse
+import importlib
+import itertools
 import json
 import sys
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import torch
@@ -316,26 +325,65 @@ def cmd_zoo_path(args: argparse.Namespace) -> int:
     return 0
 
 
-def _services_module(name: str):
-    # The services live beside the library (they speak gRPC; specd does not import them at import time).
-    import importlib
-
-    return importlib.import_module(f"services.{name}")
+COMMANDS_GROUP = "specd.commands"
 
 
-def cmd_up(args: argparse.Namespace) -> int:
-    return _services_module("up").run(args)
+@dataclass(frozen=True, slots=True)
+class Command:
+    """A subcommand another installed package adds to ``specd``: an entry point of the group
+    ``specd.commands`` whose name is the command's path (``up``, ``bench.serve``) and whose object
+    is one of these. This is how the services (`services.commands`) give `specd` its `up`,
+    `bench serve` and calibrating `bench profile` while the library never imports a service (it
+    has no gRPC in it; DESIGN.md). One at a path the library has too (``bench.profile``) takes the
+    library's command's place; the others follow the library's commands of their group."""
+
+    help: str
+    """The line in the parent's --help ("": the library's own, for a command that replaces one)."""
+    module: str
+    """Dotted name of a module with ``add_arguments(parser)`` and ``run(args) -> int``. Imported
+    only when the command line names this command, so other commands never load it."""
 
 
-def cmd_bench_serve(args: argparse.Namespace) -> int:
-    return _services_module("bench").run(args)
+def installed_commands() -> dict[str, Command]:
+    """The installed packages' commands, by path (entry-point group ``specd.commands``)."""
+    return {point.name: point.load() for point in entry_points(group=COMMANDS_GROUP)}
 
 
-def parser() -> argparse.ArgumentParser:
+def _add_installed(subparsers, path: str, command: Command, named: list[str] | None, library_help: str = "") -> None:
+    sub = subparsers.add_parser(path.rsplit(".", 1)[-1], help=command.help or library_help)
+    words = path.split(".")
+    if named is None or named[: len(words)] == words:
+        module = importlib.import_module(command.module)
+        module.add_arguments(sub)
+        sub.set_defaults(func=module.run)
+
+
+def parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The command line's parser. ``argv``: the arguments it will parse; an installed package's
+    command (`Command`) gets its flags, and its module is imported, only when ``argv`` names it
+    (None: every command's flags)."""
+    installed = installed_commands()
+    named = None if argv is None else list(itertools.takewhile(lambda word: not word.startswith("-"), argv))
+
+    def add(subparsers, path: str, help: str, add_arguments: Callable, run: Callable) -> None:
+        """The library's command at ``path``, or an installed package's in its place."""
+        if path in installed:
+            _add_installed(subparsers, path, installed.pop(path), named, library_help=help)
+            return
+        sub = subparsers.add_parser(path.rsplit(".", 1)[-1], help=help)
+        add_arguments(sub)
+        sub.set_defaults(func=run)
+
+    def add_installed(subparsers, parent: str) -> None:
+        """The installed packages' commands under ``parent``, after the library's own."""
+        for path in [p for p in installed if p.rpartition(".")[0] == parent]:
+            _add_installed(subparsers, path, installed.pop(path), named)
+
     top = argparse.ArgumentParser(prog="specd", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = top.add_subparsers(dest="command", required=True)
 
-    gen = commands.add_parser("generate", help="plain autoregressive generation from a model directory")
+    gen = commands.add_parser("generate", help="generate from a model directory: plain decoding, or speculative "
+                                                "with --drafter DIR|ngram")
     gen.add_argument("--model", required=True, help="model directory in Hugging Face layout")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text (needs tokenizer.json)")
@@ -417,23 +465,16 @@ def parser() -> argparse.ArgumentParser:
     opd_bench = bench.add_parser("opd", help="SpecOPD vs sequential OPD vs offline distillation on the zoo, same run")
     bench_opd.add_arguments(opd_bench)
     opd_bench.set_defaults(func=bench_opd.run)
-    profile_bench = bench.add_parser("profile", help="pass costs of the target and D3D drafter, acceptance and hit rate (JSON for specd plan)")
-    bench_profile.add_arguments(profile_bench)
-    profile_bench.set_defaults(func=bench_profile.run)
+    add(bench, "bench.profile", "pass costs of the target and D3D drafter, acceptance and hit rate (JSON for specd plan)",
+        bench_profile.add_arguments, bench_profile.run)
     gpu_bench = bench.add_parser("gpu", help="on one GPU: kernels vs references, NCCL, Qwen3-8B-shaped pass costs, projected speedup")
     bench_gpu.add_arguments(gpu_bench)
     gpu_bench.set_defaults(func=bench_gpu.run)
-    serve_bench = bench.add_parser("serve", help="end to end through the services: plain vs sync vs async D3D, by concurrency")
-    serve_bench.set_defaults(func=cmd_bench_serve)
-    _services_module("bench").add_arguments(serve_bench)
+    add_installed(bench, "bench")  # the services': `specd bench serve`
 
     plan_cmd = commands.add_parser("plan", help="drafter:verifier split and block length for a GPU budget, by simulation; writes a Helm values override")
     planner.add_arguments(plan_cmd)
     plan_cmd.set_defaults(func=planner.run)
-
-    up = commands.add_parser("up", help="run the services on this machine: Redis, trainer, drafters, verifiers")
-    up.set_defaults(func=cmd_up)
-    _services_module("up").add_arguments(up)
 
     zoo_cmd = commands.add_parser("zoo", help="the tiny model zoo").add_subparsers(dest="zoo_command", required=True)
     builder = zoo_cmd.add_parser("build", help="build missing or stale zoo models")
@@ -445,11 +486,16 @@ def parser() -> argparse.ArgumentParser:
     path = zoo_cmd.add_parser("path", help="print a built zoo model's directory")
     path.add_argument("name")
     path.set_defaults(func=cmd_zoo_path)
+    add_installed(commands, "")  # the services': `specd up`
+    if installed:
+        raise ValueError(f"installed commands {sorted(installed)} (entry-point group {COMMANDS_GROUP}) name no command "
+                         "group of specd")
     return top
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser(argv).parse_args(argv)
     try:
         return args.func(args)
     except (UsageError, ModelLoadError, ValueError, FetchError) as err:

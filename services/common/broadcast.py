@@ -17,7 +17,7 @@ Design choices:
   (`Announcement`: version, every file's sha256 and size, the store's address, world size N + 1,
   the members in rank order, the backend), and builds a process group for this update only,
   shut down afterwards. The group is a ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` built on that
-  store, **not** the default group of ``init_process_group``: a process can hold only one default
+  store (`specd.parallel.groups`), **not** the default group of ``init_process_group``: a process can hold only one default
   group, a trainer may need its own for the scoring tensor channel, and a test (or a colocated
   deployment) runs a trainer and a drafter in one process, which two default groups cannot. Our
   own group objects have no process-wide state, so two updates could not clobber each other; they
@@ -54,7 +54,6 @@ import socket
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import BinaryIO, Self
 
@@ -63,6 +62,7 @@ import torch
 import torch.distributed as dist
 
 from services.common.checkpoints import CheckpointError, fsync_directory
+from specd.parallel.groups import broadcast_from_rank0, master_store, new_group, seconds_timedelta
 
 logger = logging.getLogger(__name__)
 
@@ -199,26 +199,8 @@ class BroadcastResult:
 
 
 # ---------------------------------------------------------------------------- both sides
-def seconds_timedelta(seconds: float) -> timedelta:
-    return timedelta(seconds=seconds)
-
-
-def master_store(host: str, timeout: float) -> dist.TCPStore:
-    """A TCPStore on a free port of ``host`` that does not wait for its clients: they connect
-    whenever they read its address (an announcement, a Score request)."""
-    return dist.TCPStore(host, 0, None, True, timeout=seconds_timedelta(timeout), wait_for_workers=False)
-
-
-def new_group(backend: str, store: dist.Store, rank: int, world_size: int, timeout: float) -> dist.Backend:
-    """A process group for one update only (module docstring: why not the default group)."""
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, seconds_timedelta(timeout))
-    if not dist.is_nccl_available():
-        raise BroadcastError("this torch has no NCCL: an NCCL broadcast needs a CUDA build of torch on every rank")
-    options = dist.ProcessGroupNCCL.Options()
-    options.is_high_priority_stream = False
-    options._timeout = seconds_timedelta(timeout)
-    return dist.ProcessGroupNCCL(store, rank, world_size, options)
+# The store, the one-update group and the broadcast itself are plain torch.distributed: they live in
+# `specd.parallel.groups` (imported above; the Score tensor channel takes them from here too).
 
 
 def transfer_device(backend: str, device: str | torch.device) -> torch.device:
@@ -230,14 +212,6 @@ def cannot_join(backend: str, device: str | torch.device) -> str | None:
     if backend == "nccl" and (torch.device(device).type != "cuda" or not torch.cuda.is_available()):
         return f"an NCCL broadcast needs a CUDA device, but this replica runs on {device}"
     return None
-
-
-def _broadcast(group: dist.Backend, tensor: torch.Tensor, timeout: float) -> None:
-    options = dist.BroadcastOptions()
-    options.rootRank = 0
-    group.broadcast([tensor], options).wait(seconds_timedelta(timeout))
-    if tensor.is_cuda:  # the next chunk reuses host memory: let this one land first
-        torch.cuda.current_stream(tensor.device).synchronize()
 
 
 def _chunks(size: int, chunk_bytes: int) -> list[tuple[int, int]]:
@@ -303,7 +277,8 @@ class VersionBroadcast:
                         view = memoryview(buffer)[:length]
                         if handle.readinto(view) != length:
                             raise BroadcastError(f"{self.directory / name} is shorter than its announced {size} bytes")
-                        _broadcast(group, torch.frombuffer(view, dtype=torch.uint8).to(self.device), announcement.timeout)
+                        chunk = torch.frombuffer(view, dtype=torch.uint8).to(self.device)
+                        broadcast_from_rank0(group, chunk, announcement.timeout)
         except RuntimeError as err:
             if group is not None:
                 group.abort()
@@ -423,7 +398,7 @@ def _receive_file(group: dist.Backend, handle: BinaryIO, size: int, announcement
     digest = hashlib.sha256()
     for _, length in _chunks(size, announcement.chunk_bytes):
         tensor = torch.empty(length, dtype=torch.uint8, device=device)
-        _broadcast(group, tensor, announcement.timeout)
+        broadcast_from_rank0(group, tensor, announcement.timeout)
         data = tensor.cpu().numpy()
         digest.update(data)
         handle.write(data)

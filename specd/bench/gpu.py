@@ -12,7 +12,7 @@ JSON says what failed and why):
 3. **attention backends**: every available backend gives the same greedy tokens as SDPA on a
    small random Qwen3.
 4. **NCCL**: a one-rank NCCL process group on a fresh TCPStore broadcasts a tensor (the path
-   the trainer's weight broadcast and score channel take; `services.common.broadcast`).
+   the trainer's weight broadcast and score channel take; `specd.parallel.groups`).
 5. **pass costs** of a Qwen3-8B-shaped target (random bf16 weights) for 1..32 new tokens at
    batch 1..64 after ``context`` cached tokens, and of a D3D drafter sized for it (Draft and
    Speculate packed passes, `specd.bench.profile.measure_drafter`).
@@ -45,6 +45,7 @@ from specd.bench.profile import measure_drafter, measure_target
 from specd.kernels import runtime
 from specd.models.d3d import D3DConfig, D3DModel
 from specd.models.qwen3 import FLAVOURS, Qwen3Config, Qwen3ForCausalLM
+from specd.parallel import groups
 from specd.plan.profile import load_profile, parse_profile
 from specd.plan.sim import Lengths, SimConfig, Workload, simulate
 
@@ -198,15 +199,13 @@ def check_e2e_tv(device: torch.device, settings: GpuSettings) -> dict:
 
 def check_nccl(device: torch.device) -> dict:
     """A one-rank group made, used and shut down the way the weight broadcast makes its groups
-    (`services.common.broadcast`): NCCL on CUDA, gloo on the CPU."""
-    from services.common import broadcast
-
+    (`specd.parallel.groups`): NCCL on CUDA, gloo on the CPU."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    store = broadcast.master_store("127.0.0.1", timeout=30.0)
-    group = broadcast.new_group(backend, store, 0, 1, timeout=30.0)
+    store = groups.master_store("127.0.0.1", timeout=30.0)
+    group = groups.new_group(backend, store, 0, 1, timeout=30.0)
     tensor = torch.arange(1 << 20, dtype=torch.int64, device=device).to(torch.uint8)
     started = time.perf_counter()
-    broadcast._broadcast(group, tensor, timeout=30.0)
+    groups.broadcast_from_rank0(group, tensor, timeout=30.0)
     _sync(device)
     seconds = time.perf_counter() - started
     if hasattr(group, "shutdown"):

@@ -37,6 +37,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,7 +59,7 @@ from specd.plan.profile import SCHEMA_VERSION, CostTable, load_profile, parse_pr
 from specd.sampling import SamplingParams
 from specd.tree import TokenTree
 
-__all__ = ["add_arguments", "load_profile", "measure_profile", "parse_profile", "run"]
+__all__ = ["Measured", "add_arguments", "load_profile", "measure", "measure_profile", "parse_profile", "run", "write"]
 
 TARGET_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 TARGET_TOKENS = (1, 2, 4, 8, 9, 16, 17, 64, 128)
@@ -384,61 +385,6 @@ def measure_profile(target: nn.Module, drafter_model: nn.Module, prompts: list[l
     }
 
 
-def measure_services(profile: dict, settings: ProfileSettings, target_dir: str, drafter_dir: str,
-                     drafter_model: nn.Module, prompts: list[list[int]], *, levels: tuple[int, ...]) -> None:
-    """Add what the services cost beyond the passes (`services.calibrate`) to ``profile``: the
-    drafter tables become round trips through a replica (the bare passes stay as ``drafter_pass``
-    and ``speculate_pass``), and ``serving.verifier`` gets a plain verifier's step overhead and
-    in-service pass cost by rows. The pass's in-service cost is a ratio: the measured mean pass
-    over the simulator's mean pass for the same level (the same requests replayed in the same
-    order by the same closed loop). ``serving.speculative`` is the same verifier speculating
-    (async, one drafter replica): its step time outside the pass and its blocking drafter calls,
-    and its pass over the simulated pass with the block fixed at the measured mean, and its
-    blocking Draft wait over the simulated one (`add_scales`); ``serving.speculative_sync`` the
-    same drafting synchronously — its step waits for a Draft round trip before every pass, and
-    its ratios differ from async's, so sync deployments get their own. With ``settings.rounds``
-    the three run round robin, each round starting its services afresh."""
-    from services import calibrate  # the services need gRPC & co.; the in-process part does not
-    from specd.plan.sim import Lengths
-
-    points = len(settings.batches) * (len(settings.tails) + len(settings.budgets) * (1 + len(settings.extra_blocks)))
-    modes = ("plain", "async", "sync")
-    with tqdm(total=points + len(modes) * settings.rounds * len(levels), desc="bench profile: services",
-              unit="point") as progress:
-        draft_table, speculate_table, _ = calibrate.measure_drafter_service(drafter_dir, drafter_model, settings,
-                                                                           progress=progress)
-        rounds: dict[str, list[dict]] = {mode: [] for mode in modes}
-        for _ in range(settings.rounds):
-            for mode in modes:  # round robin: a slow minute lands on one round of each mode
-                rounds[mode].append(calibrate.measure_verifier_serving(
-                    target_dir, prompts, levels=levels, max_tokens=settings.max_tokens, progress=progress,
-                    # plain: no drafter (the mode then means nothing; the default stands in)
-                    drafter_dir="" if mode == "plain" else drafter_dir, mode="async" if mode == "plain" else mode))
-    verifier, speculating, synchronous = (median_rounds(rounds[mode]) for mode in modes)
-    profile["drafter_pass"] = {k: profile["drafter"][k] for k in ("batch", "tokens", "seconds")}
-    profile["speculate_pass"] = {k: profile["speculate"][k] for k in ("batch", "tokens", "seconds")}
-    profile["drafter"]["seconds"] = draft_table.seconds
-    profile["speculate"]["seconds"] = speculate_table.seconds
-    bare = parse_profile(profile, source="the measured profile")
-    prompt_lengths = Lengths.parse(profile["workload"]["prompt_tokens"])
-    outputs = Lengths.parse([min(n, settings.max_tokens) for n in profile["workload"]["output_tokens"]])
-    add_scales(bare, verifier, prompt_lengths, outputs)
-    add_scales(bare, speculating, prompt_lengths, outputs, mode="async")
-    add_scales(bare, synchronous, prompt_lengths, outputs, mode="sync")
-
-    def by_rows(columns: dict) -> dict:
-        order = sorted(range(len(columns["rows"])), key=columns["rows"].__getitem__)
-        keep = [i for n, i in enumerate(order) if n == 0 or columns["rows"][i] > columns["rows"][order[n - 1]]]
-        return {k: [v[i] for i in keep] for k, v in columns.items()}
-
-    profile["serving"] = {"drafter_round_trips": True, "verifier": by_rows(verifier), "speculative": by_rows(speculating),
-                          "speculative_sync": by_rows(synchronous)}
-    profile["notes"] += ("; drafter tables: round trips through a drafter replica from another process (loopback "
-                         "gRPC included); serving.verifier: a plain verifier service under closed-loop HTTP load; "
-                         "serving.speculative: the same verifier speculating (async) with one drafter replica; "
-                         "serving.speculative_sync: the same, drafting synchronously")
-
-
 def median_rounds(rounds: list[dict]) -> dict:
     """Rounds of `services.calibrate.measure_verifier_serving` as one: per level, each figure's
     median over the rounds (the trace is the same in every round: greedy, the same prompts in
@@ -565,7 +511,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="profile path (default OUT/profile.json)")
 
 
-def run(args: argparse.Namespace) -> int:
+@dataclass(kw_only=True, slots=True)
+class Measured:
+    """The in-process profile with what was measured for it: the services' calibration
+    (`services.calibrate`) adds to ``profile`` from here before `write`."""
+
+    profile: dict
+    settings: ProfileSettings
+    target_dir: Path
+    drafter_dir: Path
+    drafter: nn.Module
+    pool: list[list[int]]
+    """Every held-out prompt, in the order `specd bench serve` sends them."""
+
+
+def measure(args: argparse.Namespace, *, services: bool = False) -> Measured:
+    """The in-process part of `specd bench profile`, from its flags. ``services``: the services'
+    calibration follows (then the drafter is timed through a replica, loopback gRPC included,
+    and ``--rpc-ms`` defaults to 0)."""
     settings = ProfileSettings.quick() if args.quick else ProfileSettings()
     settings.block_size, settings.context = args.block_size, args.context
     if args.block_size < 1 or args.context < 1:
@@ -580,7 +543,7 @@ def run(args: argparse.Namespace) -> int:
     if args.rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     settings.rounds = args.rounds
-    rpc_ms = args.rpc_ms if args.rpc_ms is not None else (0.5 if args.no_services else 0.0)
+    rpc_ms = args.rpc_ms if args.rpc_ms is not None else (0.0 if services else 0.5)
     if rpc_ms < 0:
         raise ValueError(f"--rpc-ms must be >= 0, got {rpc_ms}")
     settings.rpc_seconds = rpc_ms / 1000
@@ -595,9 +558,12 @@ def run(args: argparse.Namespace) -> int:
     profile = measure_profile(target, drafter, prompts, settings, names=(target_dir.name, drafter_dir.name))
     pool = zoo_prompts(settings.max_prompt_tokens, 1 << 30)  # every held-out prompt, as bench serve sends them
     profile["workload"]["prompt_tokens"] = [len(p) for p in pool]
-    if not args.no_services:
-        measure_services(profile, settings, str(target_dir), str(drafter_dir), drafter, pool,
-                         levels=(1, 16) if args.quick else (1, 4, 16, 64))
+    return Measured(profile=profile, settings=settings, target_dir=target_dir, drafter_dir=drafter_dir,
+                    drafter=drafter, pool=pool)
+
+
+def write(profile: dict, args: argparse.Namespace) -> int:
+    """Check ``profile`` loads, print its tables, write it where ``--json`` / ``--out`` say."""
     parse_profile(profile, source="the measured profile")  # what we write must load
     print(format_profile(profile))
     json_path = Path(args.json) if args.json else Path(args.out) / "profile.json"
@@ -605,3 +571,14 @@ def run(args: argparse.Namespace) -> int:
     json_path.write_text(json.dumps(profile, indent=1) + "\n")
     print(f"wrote {json_path}")
     return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """`specd bench profile` with no services installed: the in-process part only. The services
+    register their own `bench profile` (`services.calibrate.run`, entry-point group
+    ``specd.commands``), which takes this one's place and adds their calibration to this part."""
+    if not args.no_services:
+        print("specd bench profile: the services are not installed (no `bench.profile` in the entry-point group "
+              "specd.commands), so their calibration is skipped: passes are timed in this process only, as with "
+              "--no-services", file=sys.stderr)
+    return write(measure(args).profile, args)

@@ -212,7 +212,8 @@ def test_bench_profile_times_the_drafter_through_a_replica_and_the_verifier_in_s
     """`specd bench profile`'s service part: the drafter tables become round trips through a real
     replica (the bare passes kept beside them), and a verifier under closed-loop HTTP load, plain
     and speculating, reports its rows, pass and overhead per level — a profile the simulator loads."""
-    from specd.bench.profile import ProfileSettings, measure_profile, measure_services
+    from services.calibrate import measure_services
+    from specd.bench.profile import ProfileSettings, measure_profile
     from specd.models.loading import load_model
     from specd.plan.profile import parse_profile
 
