@@ -2,17 +2,36 @@
 
 from __future__ import annotations
 
+import gc
+import os
+import sys
 import time
 from collections.abc import Callable
 
 import torch.multiprocessing as mp
 
 
+def _run_and_exit(rank: int, fn: Callable, *args) -> None:
+    """Run ``fn(rank, *args)``; on success flush and leave at once with status 0.
+
+    A rank's work is done when ``fn`` returns. What follows, interpreter finalization, destroys
+    whatever still holds a gloo process group (a DeviceMesh, an FSDP module in a cycle) with
+    gloo's C++ threads running, and that was seen to abort a finished rank now and then
+    (SIGABRT, "terminate called without an active exception"), failing a test whose every
+    property held. ``os._exit`` skips finalization; a failure still raises as usual.
+    """
+    fn(rank, *args)
+    gc.collect()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def run_spawned(fn: Callable, args: tuple, nprocs: int, timeout_s: float, what: str) -> float:
     """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes; seconds taken. A process that
     fails re-raises here; past ``timeout_s`` a TimeoutError names ``what``. Survivors are killed."""
     start = time.monotonic()
-    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    context = mp.start_processes(_run_and_exit, args=(fn, *args), nprocs=nprocs, join=False, start_method="spawn")
     try:
         while not context.join(timeout=max(1.0, timeout_s - (time.monotonic() - start))):
             if time.monotonic() - start > timeout_s:

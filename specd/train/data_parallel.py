@@ -44,6 +44,7 @@ gloo on CPUs). Design choices:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import math
@@ -551,11 +552,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 {"steps": trainer.num_steps, "world_size": ranks.world_size, "losses": losses,
                  "num_supervised_tokens": trainer.num_supervised_tokens, "skipped": dict(trainer.skipped)}, indent=1))
             print(f"saved the drafter to {out} after {trainer.num_steps} steps", flush=True)
-        # Every rank tears gloo down together: a rank that destroyed its group while rank 0 was
-        # still writing files was seen to abort at exit ("terminate called without an active
+        # Every rank tears gloo down together, and only after the objects that hold the process
+        # group (FSDP's modules and mesh, the optimizer) are gone: destroy_process_group drops
+        # only c10d's own references, so a group still held by a live object (FSDP modules hold
+        # cycles, freed by the collector at interpreter exit) was destroyed during finalization,
+        # where gloo's threads abort the process ("terminate called without an active
         # exception", SIGABRT after a finished run).
+        del trainer, source
+        gc.collect()
         dist.barrier()
     finally:
+        gc.collect()
         dist.destroy_process_group()
     return 0
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawned import run_spawned
 
 from services.client import metrics
 from services.common.config import ServiceConfig
@@ -120,16 +120,7 @@ def test_lockstep_engine_scorer_and_head_equal_the_whole_model(tmp_path):
             model.lm_head.weight.mul_(8)  # greedy loops that prompt lookup can draft
         save_model(model, tmp_path / kind)
         whole[kind] = lockstep_run(load_model(tmp_path / kind))
-    context = mp.start_processes(lockstep_worker, args=(free_port(), tmp_path), nprocs=2, join=False,
-                                 start_method="spawn")
-    start = time.monotonic()
-    try:
-        while not context.join(timeout=5):
-            assert time.monotonic() - start < LOCKSTEP_TIMEOUT_S, "the lockstep ranks did not finish"
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
+    run_spawned(lockstep_worker, (free_port(), tmp_path), 2, LOCKSTEP_TIMEOUT_S, "the lockstep ranks")
     ranks = torch.load(tmp_path / "lockstep.pt")
     for kind in KINDS:
         got, want = ranks[kind], whole[kind]
