@@ -56,6 +56,7 @@ from specd.drafters.d3d import D3DDrafter
 from specd.drafters.dflash import DFlashDrafter
 from specd.drafters.ngram import NgramDrafter
 from specd.engine import EngineConfig, SpeculativeEngine, check_prompt
+from specd.flags import add_flags, from_flags
 from specd.models.d3d import D3DModel
 from specd.models.loading import ModelLoadError, load_model, save_model
 from specd.plan import planner
@@ -226,9 +227,7 @@ def cmd_train_opd(args: argparse.Namespace) -> int:
         raise UsageError(f"{drafter_dir} is not a D3D drafter: on-policy distillation trains D3D drafters")
     tokenizer = _load_tokenizer(target_dir) or _load_tokenizer(drafter_dir)
     source = open_source(args.data, tokenizer)
-    config = SpecOPDConfig(block_size=args.block_size, anchors_per_seq=args.anchors, branches_per_anchor=args.branches,
-                           loss=args.loss, lr=args.lr, seed=args.seed,
-                           max_context=getattr(target.config, "max_position_embeddings", 4096))
+    config = from_flags(SpecOPDConfig, args, max_context=getattr(target.config, "max_position_embeddings", 4096))
     prompts = _eval_prompts(args, tokenizer) if args.eval_every else None
     if args.eval_every and not prompts:
         print("no held-out prompts (no --eval-data and no built zoo): held-out tau is not measured", file=sys.stderr)
@@ -389,15 +388,13 @@ def parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     source.add_argument("--prompt", help="prompt text (needs tokenizer.json)")
     source.add_argument("--prompt-ids", help="comma-separated token ids (no tokenizer needed)")
     gen.add_argument("--chat", action="store_true", help="wrap --prompt as a user turn of the chat template")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0, help="0 = disabled")
-    gen.add_argument("--seed", type=int, default=None)
+    add_flags(gen, SamplingParams, ("max_tokens", "temperature", "top_p", "top_k", "seed"), help={
+        "max_tokens": "new tokens at most", "temperature": "0 = greedy", "top_p": "nucleus sampling (1 = off)",
+        "top_k": "0 = disabled", "seed": "the sampler's seed (default: nondeterministic)"})
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end tokens")
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: the checkpoint's")
     gen.add_argument("--drafter", default="none", help="a drafter directory, 'ngram' (prompt lookup) or 'none' (plain)")
-    gen.add_argument("--block-size", type=int, default=8, help="most drafted tokens verified per pass")
+    add_flags(gen, EngineConfig, ("block_size",))
     gen.add_argument("--mode", choices=["async", "sync"], default=None,
                      help="draft during verification (default for D3D) or after it")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
@@ -408,7 +405,7 @@ def parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     drafter.add_argument("--target", required=True, help="target model directory (with tokenizer.json)")
     drafter.add_argument("--out", required=True, help="output directory (resumable: checkpoints under OUT/work)")
     drafter.add_argument("--kind", choices=["d3d", "dflash"], default="d3d")
-    drafter.add_argument("--steps", type=int, default=DrafterTrainConfig().steps)
+    add_flags(drafter, DrafterTrainConfig, ("steps",), help={"steps": "optimizer steps"})
     drafter.add_argument("--prompts-per-domain", type=int, default=160)
     drafter.add_argument("--response-tokens", type=int, default=96)
     drafter.set_defaults(func=cmd_train_drafter)
@@ -420,18 +417,20 @@ def parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
                                                    "or prompt_len/ids); live traffic: the trainer service")
     opd.add_argument("--out", required=True, help="output drafter directory (resumable: checkpoints under OUT/work)")
     opd.add_argument("--method", choices=list(OPD_METHODS), default="specopd")
-    opd.add_argument("--loss", choices=list(LOSSES), default="e2e-tv", help="(offline always trains with kl)")
+    add_flags(opd, SpecOPDConfig, ("loss",), help={"loss": "(offline always trains with kl)"},
+              choices={"loss": list(LOSSES)})
     opd.add_argument("--steps", type=int, default=200)
     opd.add_argument("--eval-every", type=int, default=50, help="steps between held-out tau measurements (0 = never)")
     opd.add_argument("--eval-data", default=None, help="JSONL whose prompts measure tau (default: the zoo's held-out sets)")
     opd.add_argument("--eval-prompts", type=int, default=2, help="held-out prompts per domain")
     opd.add_argument("--checkpoint-every", type=int, default=50)
     opd.add_argument("--batch-size", type=int, default=4, help="trajectories per step")
-    opd.add_argument("--block-size", type=int, default=8)
-    opd.add_argument("--anchors", type=int, default=SpecOPDConfig().anchors_per_seq, help="anchors per trajectory")
-    opd.add_argument("--branches", type=int, default=SpecOPDConfig().branches_per_anchor, help="branches per anchor (K)")
-    opd.add_argument("--lr", type=float, default=SpecOPDConfig().lr)
-    opd.add_argument("--seed", type=int, default=0)
+    # The SpecOPDConfig fields: cmd_train_opd builds it from them (`from_flags`).
+    add_flags(opd, SpecOPDConfig, ("block_size", "anchors_per_seq", "branches_per_anchor", "lr", "seed"),
+              flags={"anchors_per_seq": "--anchors", "branches_per_anchor": "--branches"},
+              help={"block_size": "tokens per branch (the block the drafter serves with)",
+                    "anchors_per_seq": "anchors per trajectory", "branches_per_anchor": "branches per anchor (K)",
+                    "lr": "AdamW learning rate", "seed": "seeds anchors and branch sampling"})
     opd.set_defaults(func=cmd_train_opd)
 
     pruner = commands.add_parser("prune", help="acceptance-aware layer pruning of a D3D drafter")
@@ -439,7 +438,7 @@ def parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     pruner.add_argument("--target", default=None, help="target directory (default: the zoo's qwen3-tiny)")
     pruner.add_argument("--out", default=None, help="output directory (default DRAFTER-pruned)")
     pruner.add_argument("--tolerance", type=float, default=0.99, help="keep a removal while tau >= this x unpruned tau")
-    pruner.add_argument("--block-size", type=int, default=8)
+    add_flags(pruner, EngineConfig, ("block_size",))
     pruner.add_argument("--prompts-per-domain", type=int, default=4)
     pruner.set_defaults(func=cmd_prune)
 

@@ -128,26 +128,30 @@ def autoregressive(
 # ====================================================================== speculative decoding
 @dataclass(kw_only=True, slots=True)
 class EngineConfig:
-    max_num_seqs: int = 16
+    max_num_seqs: int = field(default=16, metadata={"help": "sequences decoded together"})
     """Sequences decoded together (rows of the target's cache)."""
-    block_size: int = 8
+    block_size: int = field(default=8, metadata={"help": "most drafted tokens verified per sequence per pass"})
     """Most drafted tokens verified per sequence per pass."""
-    mode: str = "async"
+    mode: str = field(default="async", metadata={"help": "async: draft during verification (D3D); sync: after"})
     """"async": the drafter drafts candidates for the next block while the target verifies
     (D3D); "sync": it drafts after verification (what a drafter reading target states must do)."""
-    candidate_budget: int = 4
+    candidate_budget: int = field(default=4, metadata={"help": "outcomes (k, c) drafted ahead per sequence"})
     """Outcomes (k, c) per sequence the drafter drafts a next block for, in async mode."""
-    adaptive_block: bool = True
+    adaptive_block: bool = field(default=True, metadata={"help": "let the cost model shorten blocks"})
     """Let the cost model shorten blocks (down to plain decoding) when that is faster."""
-    drafter_retry_s: float | None = None
+    drafter_retry_seconds: float | None = field(default=None, metadata={
+        "help": "pause before retrying a failed drafter (none = never again)"})
     """After the drafter fails: decode plain for this long, then try it again (None = never again,
     right for a one-shot batch; a long-running server sets it so a drafter that comes back is used)."""
-    draft_headroom: int | None = None
+    draft_headroom: int | None = field(default=None, metadata={
+        "help": "draft blocks of at most the cost model's last chosen length + this many tokens (0 = full blocks)",
+        "none": 0})
     """With ``adaptive_block``: draft blocks (and candidate blocks) of at most the length the cost
     model last chose plus this many tokens, not the full ``block_size`` — the drafter's pass costs
     tokens (on a CPU, in proportion), and tokens drafted past what is verified are wasted. The
     headroom lets the chosen length grow by that much per step. None: always the full block."""
-    cuda_graphs: bool = False
+    cuda_graphs: bool = field(default=False, metadata={
+        "help": "replay decode/verification passes from CUDA graphs at fixed row buckets (full-attention targets)"})
     """Replay the target's decode and verification passes from CUDA graphs at fixed row buckets
     (`specd.cuda_graphs`; full-attention targets only). Off by default: on the CPU it only runs the
     same padded static pass eagerly (what the tests check)."""
@@ -516,9 +520,9 @@ class SpeculativeEngine:
 
     def _drafter_failed(self) -> None:
         """The drafter is unreachable: decode plain, and park it for a retry if configured."""
-        if self.config.drafter_retry_s is not None:
+        if self.config.drafter_retry_seconds is not None:
             self._parked_drafter = self.drafter
-            self._drafter_retry_at = time.monotonic() + self.config.drafter_retry_s
+            self._drafter_retry_at = time.monotonic() + self.config.drafter_retry_seconds
         self.drafter = None
 
     def _unpark_drafter(self) -> None:

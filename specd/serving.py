@@ -188,7 +188,7 @@ class ServingEngine:
                  max_model_len: int | None = None, drafter_version: Callable[[], str] = lambda: "",
                  on_finish: Callable[[FinishedRequest], None] | None = None, max_waiting: int | None = None,
                  on_death: Callable[[BaseException], None] | None = None) -> None:
-        config = config or EngineConfig(drafter_retry_s=5.0)
+        config = config or EngineConfig(drafter_retry_seconds=5.0)
         if max_waiting is not None and max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0 (None = unbounded), got {max_waiting}")
         self.engine = SpeculativeEngine(target, drafter, config)

@@ -4,27 +4,25 @@ A service subclasses `ServiceConfig` (``@dataclass(kw_only=True)``), adds its ow
 ``metadata={"help": ...}``, and calls ``parse_config(MyConfig)`` in ``main``. Every field becomes a
 flag ``--kebab-name`` whose default is the environment variable ``SPECD_<UPPER_NAME>`` when set,
 else the field default, so a Helm chart can configure a pod through either. Precedence:
-flag > environment > field default.
-
-Supported field types: ``int``, ``float``, ``str``, ``bool`` (``--name`` / ``--no-name``;
-environment ``1/0/true/false/yes/no``), and ``list[T]`` / ``tuple[T, ...]`` of ``int``, ``float`` or
-``str`` written comma-separated (an empty string is the empty list). A subclass that defines
-``__post_init__`` must call ``super().__post_init__()`` so the checks below still run.
+flag > environment > field default. A field whose type is a library settings dataclass (the
+verifier's ``engine: EngineConfig``) is flattened: its fields are flags and variables of their own
+names. The machinery, and the field types it supports, is the library's (`specd.flags`): the
+library's commands derive their flags the same way. A subclass that defines ``__post_init__``
+must call ``super().__post_init__()`` so the checks below still run.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
-import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Mapping, Sequence, TypeVar
+
+from specd.flags import ENV_PREFIX, add_flags, from_flags, missing
 
 T = TypeVar("T")
 
-ENV_PREFIX = "SPECD_"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -106,95 +104,15 @@ def parse_config(
     """
     env = os.environ if env is None else env
     parser = argparse.ArgumentParser(prog=prog, description=description or (cls.__doc__ or "").strip())
-    hints = typing.get_type_hints(cls)
-    for item in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if item.init:
-            _add_field(parser, item, hints[item.name], env)
-    values = vars(parser.parse_args(sys.argv[1:] if argv is None else list(argv)))
-    missing = [name for name, value in values.items() if value is dataclasses.MISSING]
-    if missing:
+    add_flags(parser, cls, env=env)
+    values = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    absent = missing(values)
+    if absent:
         parser.error(
             "missing required settings: "
-            + ", ".join(f"--{name.replace('_', '-')} (or {ENV_PREFIX}{name.upper()})" for name in missing)
+            + ", ".join(f"--{name.replace('_', '-')} (or {ENV_PREFIX}{name.upper()})" for name in absent)
         )
     try:
-        return cls(**values)
+        return from_flags(cls, values)
     except ValueError as error:
         parser.error(str(error))
-
-
-def _add_field(
-    parser: argparse.ArgumentParser, item: dataclasses.Field, kind: Any, env: Mapping[str, str]
-) -> None:
-    flag = "--" + item.name.replace("_", "-")
-    env_name = ENV_PREFIX + item.name.upper()
-    names = f"flag {flag}, environment variable {env_name}"
-    convert = _converter(kind, names, item.name)
-
-    if item.default is not dataclasses.MISSING:
-        default = item.default
-    elif item.default_factory is not dataclasses.MISSING:
-        default = item.default_factory()
-    else:
-        default = dataclasses.MISSING
-    # The help shows the field default, never the environment's value: that may be a secret.
-    shown = "required" if default is dataclasses.MISSING else f"default {_show(default)}"
-    help_text = f"{item.metadata.get('help', '')} [env {env_name}; {shown}]".replace("%", "%%")
-    if env_name in env:
-        try:
-            default = convert(env[env_name])
-        except argparse.ArgumentTypeError as error:
-            parser.error(f"argument {flag} (from environment variable {env_name}): {error}")
-    # A required field keeps MISSING as its default, so parse_config can name flag and variable.
-    options: dict[str, Any] = {"dest": item.name, "help": help_text, "default": default}
-    if kind is bool:
-        parser.add_argument(flag, action=argparse.BooleanOptionalAction, **options)
-    else:
-        parser.add_argument(flag, type=convert, metavar=item.name.upper(), **options)
-
-
-def _converter(kind: Any, names: str, field_name: str) -> Callable[[str], Any]:
-    """A string -> value function for ``kind`` whose errors name the flag and the env variable."""
-    origin, args = typing.get_origin(kind), typing.get_args(kind)
-    if kind is bool:
-        return lambda text: _parse_bool(text, names)
-    if kind in _SCALARS:
-        return lambda text: _parse_scalar(kind, text, names)
-    if origin is list and len(args) == 1 and args[0] in _SCALARS:
-        return lambda text: [_parse_scalar(args[0], part, names) for part in _split(text)]
-    if origin is tuple and len(args) == 2 and args[1] is Ellipsis and args[0] in _SCALARS:
-        return lambda text: tuple(_parse_scalar(args[0], part, names) for part in _split(text))
-    raise TypeError(
-        f"config field {field_name!r} has type {kind!r}; parse_config supports int, float, str, bool and "
-        "list[T] / tuple[T, ...] of int, float or str"
-    )
-
-
-_SCALARS: dict[type, str] = {int: "an integer", float: "a number", str: "a string"}
-_TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
-
-
-def _parse_scalar(kind: type, text: str, names: str) -> Any:
-    try:
-        return kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {_SCALARS[kind]}, got {text!r} ({names})") from None
-
-
-def _parse_bool(text: str, names: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in _TRUE or lowered in _FALSE:
-        return lowered in _TRUE
-    raise argparse.ArgumentTypeError(
-        f"expected a boolean ({'/'.join(_TRUE)} or {'/'.join(_FALSE)}), got {text!r} ({names})"
-    )
-
-
-def _split(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",")] if text.strip() else []
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, (list, tuple)):
-        return repr(",".join(str(part) for part in value))
-    return repr(value)

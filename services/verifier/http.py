@@ -795,7 +795,7 @@ def build_app(
 
 
 def serve_http(
-    app: FastAPI, host: str, port: int, *, startup_timeout_s: float = 30.0
+    app: FastAPI, host: str, port: int, *, startup_timeout_seconds: float = 30.0
 ) -> tuple[uvicorn.Server, threading.Thread]:
     """Serve ``app`` with uvicorn in a daemon thread; return once it accepts connections.
 
@@ -806,12 +806,12 @@ def serve_http(
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="specd-http", daemon=True)
     thread.start()
-    deadline = time.monotonic() + startup_timeout_s
+    deadline = time.monotonic() + startup_timeout_seconds
     while not server.started:
         thread.join(timeout=0.01)  # returns at once if the server thread died
         if not thread.is_alive():
             raise RuntimeError(f"the HTTP server failed to start on {host}:{port} (is the port taken? see the log)")
         if time.monotonic() > deadline:
             server.should_exit = True
-            raise RuntimeError(f"the HTTP server did not start on {host}:{port} within {startup_timeout_s} s")
+            raise RuntimeError(f"the HTTP server did not start on {host}:{port} within {startup_timeout_seconds} s")
     return server, thread

@@ -25,7 +25,7 @@ Ordering. Ops come from the engine thread (passes, commits, row resets) and from
 threads (a temporary cache per request); one lock makes each op (its broadcast AND its run on
 rank 0, collectives included) atomic, so the followers see one total order. A cache that rank 0
 drops (``Score``'s temporary ones) is released on the followers with the next op. While the
-service is idle, rank 0 sends a no-op every ``heartbeat_s`` so that a follower's wait never runs
+service is idle, rank 0 sends a no-op every ``heartbeat_seconds`` so that a follower's wait never runs
 into the process group's collective timeout.
 
 Lifecycle (`services.verifier.server`): ``torchrun --nproc-per-node N -m services.verifier
@@ -228,7 +228,7 @@ class LockstepCache:
 class LockstepTarget(nn.Module):
     """Rank 0's target: the same calls as the sharded model, each broadcast to the followers first."""
 
-    def __init__(self, model: nn.Module, group=None, *, heartbeat_s: float = 30.0) -> None:
+    def __init__(self, model: nn.Module, group=None, *, heartbeat_seconds: float = 30.0) -> None:
         super().__init__()
         self.sharded = model
         self.config = model.config
@@ -240,7 +240,7 @@ class LockstepTarget(nn.Module):
         self._next_cache = 0
         self._last_op = time.monotonic()
         self._stopped = False
-        self._heartbeat_s = heartbeat_s
+        self._heartbeat_seconds = heartbeat_seconds
         self._stopping = threading.Event()
         self._heartbeat = threading.Thread(target=self._beat, name="lockstep-heartbeat", daemon=True)
         self._heartbeat.start()
@@ -300,8 +300,8 @@ class LockstepTarget(nn.Module):
         return self.device if self.device.type == "cuda" else None
 
     def _beat(self) -> None:
-        while not self._stopping.wait(self._heartbeat_s / 2):
-            if time.monotonic() - self._last_op >= self._heartbeat_s:
+        while not self._stopping.wait(self._heartbeat_seconds / 2):
+            if time.monotonic() - self._last_op >= self._heartbeat_seconds:
                 try:
                     self.run(Op.NOOP, None)
                 except RuntimeError:  # stopped meanwhile

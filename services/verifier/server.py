@@ -72,19 +72,16 @@ class VerifierConfig(ServiceConfig):
         "help": "drafter addresses, comma-separated host:port or dns:///name:port (empty = plain decoding)"})
     http_host: str = field(default="127.0.0.1", metadata={"help": "address the HTTP API binds"})
     http_port: int = field(default=8000, metadata={"help": "port of the OpenAI-compatible HTTP API (-1 = none)"})
-    max_num_seqs: int = field(default=16, metadata={"help": "sequences decoded together"})
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(drafter_retry_seconds=2.0))
+    """The serving engine's settings; their flags are the engine's field names (`specd.flags`
+    flattens them). Where a service's default is not the library's one-shot default, the factory
+    sets it: a failed drafter is retried after 2 s (the library: never). Without drafters the
+    engine decodes plain whatever ``block_size`` says (`main`)."""
     max_waiting: int = field(default=256, metadata={
         "help": "requests queued for a free row at most; past it HTTP answers 429 and gRPC RESOURCE_EXHAUSTED (0 = no limit)"})
     max_request_bytes: int = field(default=2 << 20, metadata={"help": "largest HTTP request body (413 above it)"})
     max_model_len: int = field(default=0, metadata={"help": "longest prompt + output (0 = the model's)"})
-    block_size: int = field(default=8, metadata={"help": "most drafted tokens verified per sequence per pass"})
-    mode: str = field(default="async", metadata={"help": "async: draft during verification (D3D); sync: after"})
-    candidate_budget: int = field(default=4, metadata={"help": "outcomes (k, c) drafted ahead per sequence"})
-    adaptive_block: bool = field(default=True, metadata={"help": "let the cost model shorten blocks"})
-    draft_headroom: int = field(default=0, metadata={
-        "help": "draft blocks of at most the cost model's last chosen length + this many tokens (0 = full blocks)"})
     drafter_timeout: float = field(default=10.0, metadata={"help": "deadline of one drafter call, seconds"})
-    drafter_retry_seconds: float = field(default=2.0, metadata={"help": "pause before retrying a failed drafter"})
     redis_url: str = field(default="", metadata={"help": "Redis for request traces (empty = none)"})
     trace_stream: str = field(default="specd:traces", metadata={"help": "Redis stream of request traces"})
     trace_maxlen: int = field(default=100_000, metadata={"help": "approximate bound of the trace stream"})
@@ -92,8 +89,6 @@ class VerifierConfig(ServiceConfig):
     device: str = field(default="cpu", metadata={"help": "torch device of the target (cpu, cuda, cuda:1, ...)"})
     attention_backend: str = field(default="auto", metadata={
         "help": "how attention runs: auto (flash-attn on CUDA when installed, else sdpa), sdpa, flex, flash, triton"})
-    cuda_graphs: bool = field(default=False, metadata={
-        "help": "replay decode/verification passes from CUDA graphs at fixed row buckets (full-attention targets)"})
     tensor_parallel: int = field(default=1, metadata={
         "help": "ranks the target is sharded over (> 1: launch with torchrun --nproc-per-node N; rank 0 serves)"})
 
@@ -105,14 +100,12 @@ class VerifierConfig(ServiceConfig):
             raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {self.attention_backend!r}")
         if self.port == 0:
             self.port = 50051
-        if self.draft_headroom < 0:
-            raise ValueError(f"draft_headroom must be >= 0 (0 = full blocks), got {self.draft_headroom}")
         if self.max_waiting < 0 or self.max_request_bytes < 1:
             raise ValueError(f"max_waiting must be >= 0 and max_request_bytes >= 1, got {self.max_waiting}, "
                              f"{self.max_request_bytes}")
         if self.tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
-        if self.tensor_parallel > 1 and self.cuda_graphs:
+        if self.tensor_parallel > 1 and self.engine.cuda_graphs:
             raise ValueError("cuda_graphs is not supported with tensor_parallel > 1 (the graph runner drives the "
                              "cache directly, which the other ranks would not replay)")
 
@@ -163,7 +156,7 @@ def _response(request_id: str, delta: Delta) -> verifier_pb2.GenerateResponse:
         if delta.usage is not None:
             message.usage.CopyFrom(verifier_pb2.Usage(
                 prompt_tokens=delta.usage.prompt_tokens, completion_tokens=delta.usage.completion_tokens,
-                target_passes=delta.usage.target_passes, mean_accepted_length=delta.usage.mean_accepted_length,
+                target_passes=delta.usage.target_passes, tokens_per_pass=delta.usage.tokens_per_pass,
             ))
     return message
 
@@ -262,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_tracing("specd-verifier", config.otlp_endpoint)
     # Every open Generate stream holds a server thread until it ends (queued requests too): room
     # for many more than the engine's rows, or streams would wait for a thread before the queue.
-    grpc_server = GrpcServer("verifier", config, max_workers=max(256, 4 * config.max_num_seqs))
+    grpc_server = GrpcServer("verifier", config, max_workers=max(256, 4 * config.engine.max_num_seqs))
     try:
         target = load_target(config, ranks)
         tokenizer = load_tokenizer(config.tokenizer or config.model)
@@ -274,8 +267,8 @@ def main(argv: list[str] | None = None) -> None:
     if config.drafters:
         try:
             drafters = RemoteDrafters(config.drafters, config, timeout=config.drafter_timeout,
-                                      retry_seconds=config.drafter_retry_seconds,
-                                      vocab_size=target.config.vocab_size, max_block=config.block_size)
+                                      retry_seconds=config.engine.drafter_retry_seconds,
+                                      vocab_size=target.config.vocab_size, max_block=config.engine.block_size)
         except ValueError as err:
             sys.exit(f"specd-verifier: {err}")
     traces = TraceWriter(config.redis_url, config.trace_stream, maxlen=config.trace_maxlen) if config.redis_url else None
@@ -294,11 +287,7 @@ def main(argv: list[str] | None = None) -> None:
 
     engine = ServingEngine(
         target, drafters,
-        EngineConfig(max_num_seqs=config.max_num_seqs, block_size=config.block_size if drafters else 0,
-                     mode=config.mode, candidate_budget=config.candidate_budget,
-                     adaptive_block=config.adaptive_block, draft_headroom=config.draft_headroom or None,
-                     drafter_retry_s=config.drafter_retry_seconds,
-                     cuda_graphs=config.cuda_graphs),
+        config.engine if drafters else dataclasses.replace(config.engine, block_size=0),
         max_model_len=config.max_model_len or None,
         drafter_version=(lambda: drafters.version) if drafters else (lambda: ""),
         on_finish=on_finish,

@@ -54,6 +54,7 @@ from specd.data import load_tokenizer
 from specd.drafters.base import Drafter, DraftRequest, SpeculateRequest
 from specd.drafters.d3d import D3DDrafter
 from specd.engine import EngineConfig, SpeculativeEngine
+from specd.flags import add_flags
 from specd.models.loading import load_model
 from specd.plan.profile import SCHEMA_VERSION, CostTable, load_profile, parse_profile
 from specd.sampling import SamplingParams
@@ -494,16 +495,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a coarse grid and a short engine run (minutes)")
     parser.add_argument("--target", default="", help="target model directory (default: the zoo's qwen3-tiny)")
     parser.add_argument("--drafter", default="", help="D3D drafter directory (default: the zoo's d3d-qwen3-tiny)")
-    parser.add_argument("--block-size", type=int, default=8, help="block the acceptance and Speculate calls use")
-    parser.add_argument("--context", type=int, default=128, help="cached tokens before each timed pass")
+    add_flags(parser, ProfileSettings, ("block_size", "context"),
+              help={"block_size": "block the acceptance and Speculate calls use",
+                    "context": "cached tokens before each timed pass"})
     parser.add_argument("--batches", default="", help=f"comma-separated batch sizes (default {','.join(map(str, TARGET_BATCHES))})")
     parser.add_argument("--tokens", default="", help=f"target tokens per sequence (default {','.join(map(str, TARGET_TOKENS))})")
     parser.add_argument("--repeats", type=int, default=0, help="timed repeats per point (the fastest is kept; default 5, quick 3)")
     parser.add_argument("--rpc-ms", type=float, default=None,
                         help="network time one drafter round trip adds, ms (default 0 when the drafter is timed "
                              "through a replica, which includes loopback gRPC; 0.5 with --no-services)")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="rounds of the verifier services' calibration; per level the median round (default 1)")
+    add_flags(parser, ProfileSettings, ("rounds",),
+              help={"rounds": "rounds of the verifier services' calibration; per level the median round"})
     parser.add_argument("--no-services", action="store_true",
                         help="time passes in this process only: skip the drafter round trips through a replica and "
                              "the verifier service's serving costs (services.calibrate)")

@@ -42,6 +42,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from tqdm import tqdm
 
+from specd.flags import add_flags, default_of, from_flags
 from specd.plan.compare import compare_serve, format_compare, write_compare
 from specd.plan.profile import CostTable, Profile, load_profile
 from specd.plan.sim import Lengths, SimConfig, SimResult, TraceRequest, Workload, load_trace, simulate
@@ -412,33 +413,42 @@ def plot(result: Plan, settings: PlanSettings, path: Path) -> Path:
 
 
 # ====================================================================== command line
+# Help of the flags that are `PlanSettings` fields: their defaults are the dataclass's.
+_HELP = {
+    "concurrency": "closed loop of C concurrent clients",
+    "rate": "Poisson arrivals, requests per second",
+    "block_sizes": "block lengths to try (comma-separated)",
+    "ratios": "drafters:verifiers to try, e.g. 1:4,1:2,1:1,2:1 (default: every split)",
+    "trainer_gpus": "GPUs of the data-parallel trainer, taken off --gpus (written as trainer.dataParallel)",
+    "gpus_per_drafter": "GPUs per drafter replica",
+    "mode": "how the verifiers use drafters",
+    "max_num_seqs": "verifier rows (its --max-num-seqs; the chart's 64)",
+    "prompt_tokens": "N, uniform:LO:HI or geometric:MEAN[:MAX] (default: the profile's)",
+    "output_tokens": "as --prompt-tokens (default: the profile's, else 256)",
+    "requests": "requests per simulation (0: 4 x C, at least 256; 1024 for --rate)",
+    "seed": "seed of the simulation",
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", required=True, help="profile JSON (`specd bench profile`, or hand-written)")
-    parser.add_argument("--gpus", type=int, default=0,
+    parser.add_argument("--gpus", type=int, default=0,  # PlanSettings.gpus has no default: run() says it is needed
                         help="GPU budget: verifier and drafter replicas together (and the trainer's --trainer-gpus)")
     load = parser.add_mutually_exclusive_group()
-    load.add_argument("--concurrency", type=int, default=0, help="closed loop of C concurrent clients")
-    load.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals, requests per second")
+    add_flags(load, PlanSettings, ("concurrency", "rate"), help=_HELP)
     parser.add_argument("--trace", default="", help="JSONL of requests (arrival_s, prompt/output lengths or ids): its "
                         "arrivals are the load; without arrival_s, its lengths replayed by --concurrency or --rate")
-    parser.add_argument("--block-sizes", default="2,4,8,16", help="block lengths to try (comma-separated)")
-    parser.add_argument("--ratios", default="", help="drafters:verifiers to try, e.g. 1:4,1:2,1:1,2:1 (default: every split)")
+    add_flags(parser, PlanSettings, ("block_sizes", "ratios"), help=_HELP)
     parser.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                         help="ranks (GPUs) per verifier replica, a power of two (default 1); passes scale by the "
                         "profile's tensor_parallel.N.pass_scale, else 1/N + --tp-allreduce-us")
     parser.add_argument("--gpus-per-verifier", type=int, default=None, metavar="N",
                         help="the older name of --tensor-parallel: a verifier's GPUs are its ranks")
-    parser.add_argument("--tp-allreduce-us", type=float, default=DEFAULT_TP_ALLREDUCE_S * 1e6,
+    parser.add_argument("--tp-allreduce-us", type=float, default=default_of(PlanSettings, "tp_allreduce_s") * 1e6,
                         help="all-reduce microseconds per tensor-parallel pass, without a measured pass_scale "
                         "(default: 36 layers x 2 all-reduces x 10 us on NVLink)")
-    parser.add_argument("--trainer-gpus", type=int, default=0, metavar="M",
-                        help="GPUs of the data-parallel trainer, taken off --gpus (written as trainer.dataParallel)")
-    parser.add_argument("--gpus-per-drafter", type=int, default=1)
-    parser.add_argument("--mode", choices=("async", "sync"), default="async", help="how the verifiers use drafters")
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="verifier rows (its --max-num-seqs; the chart's 64)")
-    parser.add_argument("--prompt-tokens", default="", help="N, uniform:LO:HI or geometric:MEAN[:MAX] (default: the profile's)")
-    parser.add_argument("--output-tokens", default="", help="as --prompt-tokens (default: the profile's, else 256)")
-    parser.add_argument("--requests", type=int, default=0, help="requests per simulation (default 4 x C, at least 256)")
+    add_flags(parser, PlanSettings, ("trainer_gpus", "gpus_per_drafter", "mode", "max_num_seqs", "prompt_tokens",
+                                     "output_tokens", "requests"), help=_HELP, choices={"mode": ("async", "sync")})
     parser.add_argument("--tpot-slo-ms", type=float, default=0.0, help="pick only splits with TPOT p99 at or under this")
     parser.add_argument("--fixed-block", action="store_true", help="verifiers run with --adaptive-block off")
     parser.add_argument("--rows", choices=("profile", "padded", "running"), default="profile",
@@ -448,21 +458,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="values-override.yaml", help="Helm values override to write")
     parser.add_argument("--plot", default="", help="PNG path (default: beside --out, plan.png)")
     parser.add_argument("--json", default="", help="also write every row as JSON here")
-    parser.add_argument("--seed", type=int, default=0)
+    add_flags(parser, PlanSettings, ("seed",), help=_HELP)
     parser.add_argument("--compare-serve", default="", metavar="SERVE_JSON",
                         help="instead of planning: simulate the rows of a `specd bench serve` JSON and compare "
                              "(writes SERVE_compare.json and .png beside it)")
     parser.add_argument("--measured-hits", action="store_true", help="with --compare-serve: use each row's measured hit rate")
-
-
-def _ints(text: str, flag: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
-    if not values:
-        raise ValueError(f"{flag} is empty")
-    return values
 
 
 def run(args: argparse.Namespace) -> int:
@@ -482,16 +482,15 @@ def run(args: argparse.Namespace) -> int:
     if len(given) > 1:
         raise ValueError(f"--tensor-parallel {args.tensor_parallel} and --gpus-per-verifier {args.gpus_per_verifier} "
                          "disagree: they are one setting (a verifier's GPUs are its ranks); give --tensor-parallel")
-    settings = PlanSettings(
-        gpus=args.gpus, tensor_parallel=given.pop() if given else 1, tp_allreduce_s=args.tp_allreduce_us / 1e6,
-        trainer_gpus=args.trainer_gpus, gpus_per_drafter=args.gpus_per_drafter,
-        concurrency=args.concurrency, rate=args.rate, block_sizes=_ints(args.block_sizes, "--block-sizes"),
-        ratios=tuple(r for r in args.ratios.split(",") if r.strip()), mode=args.mode, requests=args.requests,
-        prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens, max_num_seqs=args.max_num_seqs,
+    # The flags named like PlanSettings fields come across as they are (`from_flags`); these are
+    # the ones whose flag says it another way.
+    settings = from_flags(
+        PlanSettings, args, tensor_parallel=given.pop() if given else 1, tp_allreduce_s=args.tp_allreduce_us / 1e6,
+        ratios=tuple(r for r in args.ratios if r),
         adaptive_block=not args.fixed_block,
         padded_rows={"profile": None, "padded": True, "running": False}[args.rows],
         trace=load_trace(args.trace) if args.trace else None,
-        tpot_slo=args.tpot_slo_ms / 1000, plain=not args.no_plain, seed=args.seed,
+        tpot_slo=args.tpot_slo_ms / 1000, plain=not args.no_plain,
     )
     if args.concurrency < 0 or args.rate < 0:
         raise ValueError("--concurrency and --rate must be positive")

@@ -93,11 +93,11 @@ def parallel_trainer(scorer: TreeScorer | None, drafter: D3DModel, setup: Setup,
 class Leader:
     """Rank 0's end of the command channel (see the module docstring)."""
 
-    def __init__(self, ranks: Ranks, *, heartbeat_s: float = 60.0) -> None:
+    def __init__(self, ranks: Ranks, *, heartbeat_seconds: float = 60.0) -> None:
         if not ranks.is_main:
             raise ValueError(f"rank {ranks.rank} cannot lead: rank {LEADER} does")
         self.ranks = ranks
-        self.heartbeat_s = heartbeat_s
+        self.heartbeat_seconds = heartbeat_seconds
         self._lock = threading.Lock()
         self._last = time.monotonic()
         self.state = "new"
@@ -129,8 +129,8 @@ class Leader:
                 raise
 
     def heartbeat(self) -> None:
-        """A NOOP when nothing was sent for ``heartbeat_s``."""
-        if self.state == "started" and time.monotonic() - self._last >= self.heartbeat_s:
+        """A NOOP when nothing was sent for ``heartbeat_seconds``."""
+        if self.state == "started" and time.monotonic() - self._last >= self.heartbeat_seconds:
             with self.command(Command.NOOP):
                 pass
 

@@ -15,10 +15,8 @@ the values schema refuses bad values with an error that names the key.
 from __future__ import annotations
 
 import base64
-import dataclasses
 import functools
 import json
-import typing
 
 import helm_python as helm
 import jsonschema
@@ -54,6 +52,7 @@ from services.trainer.server import TrainerConfig
 from services.verifier import drafter_pool
 from services.verifier.server import VerifierConfig
 from specd.data.tokenizer import ENDOFTEXT, IM_END, SPECIAL_TOKENS
+from specd.flags import flag_types
 
 KUBERNETES_VERSIONS = ("1.29", "1.30", "1.31", "1.32", "1.33")
 ROLES = {"drafter": DrafterConfig, "verifier": VerifierConfig, "trainer": TrainerConfig}
@@ -234,7 +233,7 @@ def test_whole_numbers_reach_the_services_as_integers():
                         "verifier": {"config": {"trace_maxlen": 10000000, "adaptive_block": False}}})
     trainer, verifier = _parse("trainer", manifests), _parse("verifier", manifests)
     assert (trainer.claim_idle_ms, trainer.lr, trainer.stop_token_ids) == (3600000, 0.00002, [151645, 151643])
-    assert (verifier.trace_maxlen, verifier.adaptive_block) == (10000000, False)
+    assert (verifier.trace_maxlen, verifier.engine.adaptive_block) == (10000000, False)
 
 
 # Fields the chart sets itself (flags, Secrets), so `config` must not: each with its reason.
@@ -247,15 +246,16 @@ CHART_OWNED = {
     # scoring is on the verifiers (target is the exclusive alternative); consumer is the pod name
     "trainer": {"redis_url", "drafter", "verifiers", "checkpoint_dir", "target", "consumer"},
 }
-JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list[int]: "array", list[str]: "array"}
+JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list[int]: "array", list[str]: "array",
+              int | None: "integer", float | None: "number"}  # None: the flag's own spelling (0 = full blocks)
 
 
 def test_schema_config_blocks_are_the_service_config_fields():
     schema = json.loads((CHART / "values.schema.json").read_text())
 
     def check(block: dict, config_class: type, owned: set[str], where: str) -> None:
-        hints = typing.get_type_hints(config_class)
-        fields = {f.name for f in dataclasses.fields(config_class)}
+        hints = flag_types(config_class)  # the verifier's EngineConfig fields flattened, as its flags
+        fields = set(hints)
         assert owned <= fields, f"{where}: the chart owns {owned - fields}, which {config_class.__name__} lacks"
         assert set(block["properties"]) == fields - owned, (
             f"{where} must list exactly {config_class.__name__}'s fields the chart does not set itself: "

@@ -31,16 +31,16 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "target_passes", "mean_accepted_length")
+    __slots__ = ("prompt_tokens", "completion_tokens", "target_passes", "tokens_per_pass")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TARGET_PASSES_FIELD_NUMBER: _ClassVar[int]
-    MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_PASS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     target_passes: int
-    mean_accepted_length: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., target_passes: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ...) -> None: ...
+    tokens_per_pass: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., target_passes: _Optional[int] = ..., tokens_per_pass: _Optional[float] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
     __slots__ = ("sequences", "top_k", "temperature", "channel")
