@@ -40,7 +40,7 @@ from services.up import Stack, StackConfig, free_port
 from services.verifier.drafter_pool import RemoteDrafters
 from specd.bench import profile as bench_profile
 from specd.bench.profile import ProfileSettings, add_scales, measure_drafter, median_rounds
-from specd.plan.profile import CostTable, parse_profile
+from specd.plan.profile import CostTable, Profile, ServiceCosts, Serving, parse_profile
 from specd.plan.sim import Lengths
 
 VERIFIER_LEVELS = (1, 4, 16, 64)
@@ -136,7 +136,7 @@ def measure_verifier_serving(target_dir: str, pool: list[list[int]], *, levels: 
     return out
 
 
-def measure_services(profile: dict, settings: ProfileSettings, target_dir: str, drafter_dir: str,
+def measure_services(profile: Profile, settings: ProfileSettings, target_dir: str, drafter_dir: str,
                      drafter_model: torch.nn.Module, prompts: list[list[int]], *, levels: tuple[int, ...]) -> None:
     """Add what the services cost beyond the passes (module docstring) to ``profile``: the
     drafter tables become round trips through a replica (the bare passes stay as ``drafter_pass``
@@ -163,13 +163,13 @@ def measure_services(profile: dict, settings: ProfileSettings, target_dir: str, 
                     # plain: no drafter (the mode then means nothing; the default stands in)
                     drafter_dir="" if mode == "plain" else drafter_dir, mode="async" if mode == "plain" else mode))
     verifier, speculating, synchronous = (median_rounds(rounds[mode]) for mode in modes)
-    profile["drafter_pass"] = {k: profile["drafter"][k] for k in ("batch", "tokens", "seconds")}
-    profile["speculate_pass"] = {k: profile["speculate"][k] for k in ("batch", "tokens", "seconds")}
-    profile["drafter"]["seconds"] = draft_table.seconds
-    profile["speculate"]["seconds"] = speculate_table.seconds
-    bare = parse_profile(profile, source="the measured profile")
-    prompt_lengths = Lengths.parse(profile["workload"]["prompt_tokens"])
-    outputs = Lengths.parse([min(n, settings.max_tokens) for n in profile["workload"]["output_tokens"]])
+    profile.drafter_pass = CostTable(**profile.drafter.to_json())
+    profile.speculate_pass = CostTable(**profile.speculate_table.to_json())
+    profile.drafter = profile.drafter.with_seconds(draft_table.seconds)
+    profile.speculate = profile.speculate_table.with_seconds(speculate_table.seconds)
+    bare = parse_profile(profile.to_json(), source="the measured profile")
+    prompt_lengths = Lengths.parse(profile.workload.prompt_tokens)
+    outputs = Lengths.parse([min(n, settings.max_tokens) for n in profile.workload.output_tokens])
     add_scales(bare, verifier, prompt_lengths, outputs)
     add_scales(bare, speculating, prompt_lengths, outputs, mode="async")
     add_scales(bare, synchronous, prompt_lengths, outputs, mode="sync")
@@ -179,9 +179,10 @@ def measure_services(profile: dict, settings: ProfileSettings, target_dir: str, 
         keep = [i for n, i in enumerate(order) if n == 0 or columns["rows"][i] > columns["rows"][order[n - 1]]]
         return {k: [v[i] for i in keep] for k, v in columns.items()}
 
-    profile["serving"] = {"drafter_round_trips": True, "verifier": by_rows(verifier), "speculative": by_rows(speculating),
-                          "speculative_sync": by_rows(synchronous)}
-    profile["notes"] += ("; drafter tables: round trips through a drafter replica from another process (loopback "
-                         "gRPC included); serving.verifier: a plain verifier service under closed-loop HTTP load; "
-                         "serving.speculative: the same verifier speculating (async) with one drafter replica; "
-                         "serving.speculative_sync: the same, drafting synchronously")
+    profile.serving = ServiceCosts(drafter_round_trips=True, verifier=Serving(**by_rows(verifier)),
+                                   speculative=Serving(**by_rows(speculating)),
+                                   speculative_sync=Serving(**by_rows(synchronous)))
+    profile.notes += ("; drafter tables: round trips through a drafter replica from another process (loopback "
+                      "gRPC included); serving.verifier: a plain verifier service under closed-loop HTTP load; "
+                      "serving.speculative: the same verifier speculating (async) with one drafter replica; "
+                      "serving.speculative_sync: the same, drafting synchronously")

@@ -56,7 +56,8 @@ from specd.drafters.d3d import D3DDrafter
 from specd.engine import EngineConfig, SpeculativeEngine
 from specd.flags import add_flags
 from specd.models.loading import load_model
-from specd.plan.profile import SCHEMA_VERSION, CostTable, load_profile, parse_profile
+from specd.plan.profile import (SCHEMA_VERSION, Acceptance, CostTable, DrafterTable, ObservedWorkload, Overhead,
+                                Profile, load_profile, parse_profile)
 from specd.sampling import SamplingParams
 from specd.tree import TokenTree
 
@@ -310,8 +311,8 @@ def zoo_prompts(max_prompt_tokens: int, per_domain: int) -> list[list[int]]:
 
 
 def measure_profile(target: nn.Module, drafter_model: nn.Module, prompts: list[list[int]],
-                    settings: ProfileSettings, *, names: tuple[str, str] = ("", "")) -> dict:
-    """Every measurement of the module docstring, as the profile dict (`parse_profile` checks it)."""
+                    settings: ProfileSettings, *, names: tuple[str, str] = ("", "")) -> Profile:
+    """Every measurement of the module docstring, as a profile."""
     if getattr(drafter_model.config, "target_hidden_size", 0):
         raise ValueError("the drafter reads target hidden states (DFlash-style): profile a D3D drafter")
     if drafter_model.config.vocab_size != target.config.vocab_size:
@@ -342,48 +343,48 @@ def measure_profile(target: nn.Module, drafter_model: nn.Module, prompts: list[l
                 progress.set_postfix_str(f"plain engine run batch {batch}")
                 plain.append(measure_plain_overhead(target, prompts, batch=batch, max_tokens=settings.max_tokens))
                 progress.update()
-            by_block = {}
+            by_block: dict[int, Acceptance] = {}
             for block in settings.extra_blocks:
                 progress.set_postfix_str(f"engine run block {block}")
                 run = measure_acceptance(target, drafter_model, prompts, block_size=block,
                                          batch=settings.acceptance_batches[-1], max_tokens=settings.max_tokens)
-                by_block[str(block)] = {k: run[k] for k in ("acceptance_per_pos", "hit_rate", "tau")}
+                by_block[block] = Acceptance(**{k: run[k] for k in ("acceptance_per_pos", "hit_rate", "tau")})
                 progress.update()
     finally:
         torch.set_num_threads(previous)
     main_run = runs[-1]
-    by_block[str(settings.block_size)] = {k: main_run[k] for k in ("acceptance_per_pos", "hit_rate", "tau")}
+    by_block[settings.block_size] = Acceptance(**{k: main_run[k] for k in ("acceptance_per_pos", "hit_rate", "tau")})
     # Engine overhead per step = step_seconds + seq_seconds * running sequences (a line through the runs).
     batches = [run["batch"] for run in runs]
     step_s, seq_s = _line(batches, [run["overhead_per_step"] for run in runs])
     plain_step_s, plain_seq_s = _line(batches, plain)
-    return {
-        "version": SCHEMA_VERSION,
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "torch": torch.__version__, "threads": settings.threads, "device": "cpu",
-                    "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
-        "notes": ("measured by `specd bench profile`: single-threaded passes (one pinned core per service), "
-                  f"fastest of {settings.repeats}; acceptance from greedy async engine runs on the zoo's held-out "
-                  "prompts; rpc_seconds is a parameter, not measured"),
-        "target": {"name": names[0], "context": settings.context, **target_table.to_json()},
-        "drafter": {"name": names[1], "group_sizes": list(drafter_model.config.group_sizes),
-                    "calls": [c for c in calls if c["call"] == "draft"], **draft_table.to_json()},
-        "speculate": {"calls": [c for c in calls if c["call"] == "speculate"], **speculate_table.to_json()},
-        "block_size": settings.block_size,
-        "acceptance_per_pos": main_run["acceptance_per_pos"],
-        "confidence_per_pos": main_run["confidence_per_pos"],
-        "block_samples": main_run["block_samples"],
-        "hit_rate": main_run["hit_rate"],
-        "tau": main_run["tau"],
-        "candidate_budget": 4,
-        "by_block": dict(sorted(by_block.items(), key=lambda kv: int(kv[0]))),
-        "rpc_seconds": settings.rpc_seconds,
-        "overhead": {"step_seconds": step_s, "seq_seconds": seq_s, "plain_step_seconds": plain_step_s,
-                     "plain_seq_seconds": plain_seq_s},
-        "padded_rows": True,
-        "workload": {"prompt_tokens": [len(p) for p in prompts], "output_tokens": main_run["output_tokens"],
-                     "max_tokens": settings.max_tokens},
-    }
+    return Profile(
+        version=SCHEMA_VERSION,
+        machine={"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                 "torch": torch.__version__, "threads": settings.threads, "device": "cpu",
+                 "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+        notes=("measured by `specd bench profile`: single-threaded passes (one pinned core per service), "
+               f"fastest of {settings.repeats}; acceptance from greedy async engine runs on the zoo's held-out "
+               "prompts; rpc_seconds is a parameter, not measured"),
+        target=CostTable(name=names[0], context=settings.context, **target_table.to_json()),
+        drafter=DrafterTable(name=names[1], group_sizes=list(drafter_model.config.group_sizes),
+                             calls=[c for c in calls if c["call"] == "draft"], **draft_table.to_json()),
+        speculate=CostTable(calls=[c for c in calls if c["call"] == "speculate"], **speculate_table.to_json()),
+        block_size=settings.block_size,
+        acceptance_per_pos=main_run["acceptance_per_pos"],
+        confidence_per_pos=main_run["confidence_per_pos"],
+        block_samples=main_run["block_samples"],
+        hit_rate=main_run["hit_rate"],
+        tau=main_run["tau"],
+        candidate_budget=4,
+        by_block=dict(sorted(by_block.items())),
+        rpc_seconds=settings.rpc_seconds,
+        overhead=Overhead(step_seconds=step_s, seq_seconds=seq_s, plain_step_seconds=plain_step_s,
+                          plain_seq_seconds=plain_seq_s),
+        padded_rows=True,
+        workload=ObservedWorkload(prompt_tokens=[len(p) for p in prompts], output_tokens=main_run["output_tokens"],
+                                  max_tokens=settings.max_tokens),
+    )
 
 
 def median_rounds(rounds: list[dict]) -> dict:
@@ -438,46 +439,46 @@ def _line(batches: list[int], seconds: list[float]) -> tuple[float, float]:
     return max(seconds[0] - per_seq * batches[0], 0.0), per_seq
 
 
-def format_profile(profile: dict) -> str:
+def format_profile(profile: Profile) -> str:
     """The cost tables in milliseconds, and what speculation earns."""
     lines = []
-    for name, what in (("target", "target pass: columns = new tokens per row"),
-                       ("drafter", "drafter Draft: columns = unseen context tokens + mask group"),
-                       ("speculate", "drafter Speculate: columns = B<block>c<candidates>:tokens")):
-        table = profile.get(name)
+    for table, what in ((profile.target, "target pass: columns = new tokens per row"),
+                        (profile.drafter, "drafter Draft: columns = unseen context tokens + mask group"),
+                        (profile.speculate, "drafter Speculate: columns = B<block>c<candidates>:tokens")):
         if table is None:
             continue
-        heads = [str(t) for t in table["tokens"]]
-        if name == "speculate" and table.get("calls"):
-            heads = [f"B{c['block']}c{c['candidates']}:{c['tokens']}" for c in table["calls"]]
+        heads = [str(t) for t in table.tokens]
+        if table is profile.speculate and table.calls:
+            heads = [f"B{c.block}c{c.candidates}:{c.tokens}" for c in table.calls]
         lines.append(f"\n{what} (ms; rows = batch)")
         width = max(8, *(len(h) + 1 for h in heads))
         lines.append(f"{'batch':>6}" + "".join(f"{h:>{width}}" for h in heads))
-        for batch, row in zip(table["batch"], table["seconds"]):
+        for batch, row in zip(table.batch, table.seconds):
             lines.append(f"{batch:>6}" + "".join(f"{1000 * s:>{width}.2f}" for s in row))
-    lines.append(f"\nblock {profile['block_size']}: acceptance/pos "
-                 + " ".join(f"{a:.2f}" for a in profile["acceptance_per_pos"])
-                 + f"  hit rate {profile['hit_rate']:.2f}  tau {profile.get('tau', float('nan')):.2f}")
-    for block, entry in profile.get("by_block", {}).items():
-        lines.append(f"block {block}: tau {entry.get('tau', float('nan')):.2f}  hit rate {entry['hit_rate']:.2f}")
-    for key, what in (("verifier", "plain"), ("speculative", "speculating, async"), ("speculative_sync", "speculating, sync")):
-        columns = profile.get("serving", {}).get(key)
-        if not columns:
+    nan = float("nan")
+    lines.append(f"\nblock {profile.block_size}: acceptance/pos "
+                 + " ".join(f"{a:.2f}" for a in profile.acceptance_per_pos)
+                 + f"  hit rate {profile.hit_rate:.2f}  tau {nan if profile.tau is None else profile.tau:.2f}")
+    for block, entry in profile.by_block.items():
+        lines.append(f"block {block}: tau {nan if entry.tau is None else entry.tau:.2f}  hit rate {entry.hit_rate:.2f}")
+    services = profile.serving
+    for columns, what in ((services.verifier, "plain"), (services.speculative, "speculating, async"),
+                          (services.speculative_sync, "speculating, sync")):
+        if columns is None:
             continue
         lines.append(f"\nverifier service ({what}, HTTP streams): rows, step time outside the pass, pass vs table, tok/s")
-        for rows, overhead, scale, tokens_per_s in zip(columns["rows"], columns["overhead_seconds"],
-                                                       columns["target_scale"],
-                                                       columns.get("tokens_per_s") or [float("nan")] * len(columns["rows"])):
+        for rows, overhead, scale, tokens_per_s in zip(columns.rows, columns.overhead_seconds, columns.target_scale,
+                                                       columns.tokens_per_s or [nan] * len(columns.rows)):
             lines.append(f"  rows {rows:5.1f}: overhead {1000 * overhead:6.2f} ms/step, pass x{scale:.2f}, "
                          f"{tokens_per_s:.1f} tok/s")
-        if columns.get("draft_scale"):
-            lines.append("  blocking Draft wait vs table: " + ", ".join(f"x{d:.2f}" for d in columns["draft_scale"]))
-    overhead = profile.get("overhead", {})
-    if "plain_step_seconds" in overhead:
-        lines.append(f"engine overhead decoding plain: {1000 * overhead['plain_step_seconds']:.2f} ms/step + "
-                     f"{1000 * overhead['plain_seq_seconds']:.3f} ms/sequence")
-    lines.append(f"engine overhead: {1000 * overhead.get('step_seconds', 0):.2f} ms/step + "
-                 f"{1000 * overhead.get('seq_seconds', 0):.3f} ms/sequence; rpc {1000 * profile.get('rpc_seconds', 0):.2f} ms")
+        if columns.draft_scale:
+            lines.append("  blocking Draft wait vs table: " + ", ".join(f"x{d:.2f}" for d in columns.draft_scale))
+    overhead = profile.overhead
+    if overhead.plain_step_seconds is not None:
+        lines.append(f"engine overhead decoding plain: {1000 * overhead.plain_step_seconds:.2f} ms/step + "
+                     f"{1000 * (overhead.plain_seq_seconds or 0.0):.3f} ms/sequence")
+    lines.append(f"engine overhead: {1000 * overhead.step_seconds:.2f} ms/step + "
+                 f"{1000 * overhead.seq_seconds:.3f} ms/sequence; rpc {1000 * profile.rpc_seconds:.2f} ms")
     return "\n".join(lines)
 
 
@@ -518,7 +519,7 @@ class Measured:
     """The in-process profile with what was measured for it: the services' calibration
     (`services.calibrate`) adds to ``profile`` from here before `write`."""
 
-    profile: dict
+    profile: Profile
     settings: ProfileSettings
     target_dir: Path
     drafter_dir: Path
@@ -559,18 +560,18 @@ def measure(args: argparse.Namespace, *, services: bool = False) -> Measured:
     prompts = zoo_prompts(settings.max_prompt_tokens, settings.prompts_per_domain)
     profile = measure_profile(target, drafter, prompts, settings, names=(target_dir.name, drafter_dir.name))
     pool = zoo_prompts(settings.max_prompt_tokens, 1 << 30)  # every held-out prompt, as bench serve sends them
-    profile["workload"]["prompt_tokens"] = [len(p) for p in pool]
+    profile.workload.prompt_tokens = [len(p) for p in pool]
     return Measured(profile=profile, settings=settings, target_dir=target_dir, drafter_dir=drafter_dir,
                     drafter=drafter, pool=pool)
 
 
-def write(profile: dict, args: argparse.Namespace) -> int:
+def write(profile: Profile, args: argparse.Namespace) -> int:
     """Check ``profile`` loads, print its tables, write it where ``--json`` / ``--out`` say."""
-    parse_profile(profile, source="the measured profile")  # what we write must load
+    parse_profile(profile.to_json(), source="the measured profile")  # what we write must load
     print(format_profile(profile))
     json_path = Path(args.json) if args.json else Path(args.out) / "profile.json"
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(profile, indent=1) + "\n")
+    json_path.write_text(json.dumps(profile.to_json(), indent=1) + "\n")
     print(f"wrote {json_path}")
     return 0
 

@@ -77,14 +77,14 @@ def deployment_config(name: str, settings: dict) -> SimConfig:
                      block_size=int(settings.get("block_size", 8)), **common)
 
 
-# `specd bench serve` deployments that `specd bench profile` calibrates, by their serving block.
-CALIBRATED = {"plain": "verifier", "async 1:1": "speculative", "sync 1:1": "speculative_sync"}
-
-
 def calibrated_tokens_per_s(profile: Profile, deployment: str, concurrency: int) -> float:
     """tokens/s of the profile's calibration run of this deployment at this concurrency (0: none)."""
-    block = (profile.raw.get("serving") or {}).get(CALIBRATED.get(deployment, ""), {})
-    for level, tokens_per_s in zip(block.get("concurrency", []), block.get("tokens_per_s", [])):
+    services = profile.serving  # the `specd bench serve` deployments `specd bench profile` calibrates
+    block = {"plain": services.verifier, "async 1:1": services.speculative,
+             "sync 1:1": services.speculative_sync}.get(deployment)
+    if block is None:
+        return 0.0
+    for level, tokens_per_s in zip(block.concurrency or [], block.tokens_per_s or []):
         if level == concurrency:
             return float(tokens_per_s)
     return 0.0
@@ -96,8 +96,10 @@ def compare_serve(profile: Profile, serve: dict, *, seeds: int = 3, use_measured
         raise ValueError("not a `specd bench serve` JSON: expected {\"settings\": {...}, \"rows\": [...]}")
     settings = serve["settings"]
     max_tokens = int(settings.get("max_tokens", 64))
-    prompts = Lengths.parse(profile.prompt_tokens or 96)
-    outputs = Lengths.parse([min(n, max_tokens) for n in profile.output_tokens] if profile.output_tokens else max_tokens)
+    observed = profile.workload
+    prompts = Lengths.parse(observed.prompt_tokens or 96)
+    outputs = Lengths.parse([min(n, max_tokens) for n in observed.output_tokens] if observed.output_tokens
+                            else max_tokens)
     out = []
     for row in serve["rows"]:
         if not row.get("requests"):
@@ -106,7 +108,7 @@ def compare_serve(profile: Profile, serve: dict, *, seeds: int = 3, use_measured
         if row.get("drafter_cores"):
             # Drafter processes pinned to fewer cores than there are processes take turns on them.
             config.drafter_devices = min(config.drafters, int(row["drafter_cores"]))
-        if row.get("transport_ms") and not profile.drafter_round_trips:
+        if row.get("transport_ms") and not profile.serving.drafter_round_trips:
             # Bare passes in the profile: the round trip's transport as the run measured it.
             config.rpc_seconds = float(row["transport_ms"]) / 1e3
         if use_measured_hits and config.mode == "async":

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from pathlib import Path
 
@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from specd.flags import add_flags, default_of, from_flags
 from specd.plan.compare import compare_serve, format_compare, write_compare
-from specd.plan.profile import CostTable, Profile, load_profile
+from specd.plan.profile import Profile, load_profile
 from specd.plan.sim import Lengths, SimConfig, SimResult, TraceRequest, Workload, load_trace, simulate
 
 DEFAULT_TP_ALLREDUCE_S = 36 * 2 * 10e-6
@@ -136,8 +136,9 @@ class PlanSettings:
 
     def workload(self, profile: Profile, load: float | None = None) -> Workload:
         """The load (``load`` overrides the concurrency or rate, for the plot's levels)."""
-        prompt = self.prompt_tokens or (profile.prompt_tokens if profile.prompt_tokens else "128")
-        output = self.output_tokens or (profile.output_tokens if profile.output_tokens else "256")
+        observed = profile.workload
+        prompt = self.prompt_tokens or (observed.prompt_tokens if observed.prompt_tokens else "128")
+        output = self.output_tokens or (observed.output_tokens if observed.output_tokens else "256")
         lengths = {"prompt_tokens": Lengths.parse(prompt), "output_tokens": Lengths.parse(output), "trace": self.trace}
         if self.concurrency:
             concurrency = max(1, round(load if load is not None else self.concurrency))
@@ -226,15 +227,16 @@ def tensor_parallel_profile(profile: Profile, ranks: int, allreduce_s: float) ->
         return profile, ""
     table = profile.target
     if ranks in profile.tensor_parallel:
-        scale = profile.tensor_parallel[ranks]
+        scale = profile.tensor_parallel[ranks].pass_scale
         seconds = [[s * scale for s in row] for row in table.seconds]
         how = f"target pass x {scale:g} (the profile's measured pass_scale)"
     else:
         seconds = [[s / ranks + allreduce_s for s in row] for row in table.seconds]
         how = (f"target pass = one GPU's / {ranks} + {allreduce_s * 1e6:.0f} us of all-reduces (assumed: an even "
                f"split, latency-bound all-reduces; no measured tensor_parallel.{ranks}.pass_scale in the profile)")
-    target = CostTable(batch=list(table.batch), tokens=list(table.tokens), seconds=seconds)
-    return replace(profile, target=target), f"verifiers: tensor parallel {ranks} ({ranks} GPUs each), {how}"
+    target = table.with_seconds(seconds)
+    return (profile.model_copy(update={"target": target}),
+            f"verifiers: tensor parallel {ranks} ({ranks} GPUs each), {how}")
 
 
 def _config(settings: PlanSettings, split: Split, block: int, mode: str) -> SimConfig:
@@ -252,9 +254,10 @@ def plan(profile: Profile, settings: PlanSettings, *, levels: tuple[float, ...] 
     if settings.trainer_gpus:
         notes.append(f"trainer: {settings.trainer_gpus} GPUs (data parallel) off the {settings.gpus}, "
                      f"{settings.serving_gpus} for verifiers and drafters")
-    if profile.group_sizes and max(settings.block_sizes) > max(profile.group_sizes) - 1:
+    groups = sorted(profile.drafter.group_sizes)
+    if groups and max(settings.block_sizes) > groups[-1] - 1:
         raise ValueError(f"block {max(settings.block_sizes)} is above the drafter's largest block "
-                         f"{max(profile.group_sizes) - 1} (its mask groups: {profile.group_sizes}): lower --block-sizes")
+                         f"{groups[-1] - 1} (its mask groups: {groups}): lower --block-sizes")
     candidates = splits(settings)
     plain_split = Split(verifiers=settings.serving_gpus // settings.gpus_per_verifier, drafters=0)
     if settings.ratios and not candidates and any(parse_ratio(r) > 0 for r in settings.ratios):

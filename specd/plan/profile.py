@@ -4,85 +4,141 @@ A profile holds what one target verifier pass and one D3D drafter pass cost, by 
 new tokens per row, and what speculation earns per pass (acceptance per position, candidate hit
 rate). `specd bench profile` (`specd.bench.profile`) measures one on this machine; for hardware we
 do not have, write one by hand and say what it assumes in ``notes``
-(``specd/plan/profiles/qwen3-8b-h200.json`` is such an example).
+(``specd/plan/profiles/qwen3-8b-h200.json`` is such an example, for a Qwen3-8B-class target on an
+H200-class GPU).
 
-Schema (``version`` 1; fields marked * are required):
-
-    {
-      "version": 1,
-      "machine": {...} or "text",          what it was measured on (free form)
-      "notes": "...",                      assumptions (hand-written profiles must state theirs)
-      "target"*:  {"batch"*: [1, 2, ...], "tokens"*: [1, 2, ...], "seconds"*: [[s per token count]
-                   per batch], "context": 128, "name": "..."},
-      "drafter"*: {"batch"*, "tokens"*, "seconds"* as above: Draft calls, "group_sizes": [5, 9, 17],
-                   "calls": [...] (what was measured, informational), "name"},
-      "speculate": {"batch"*, "tokens"*, "seconds"*: Speculate calls (default: the drafter table)},
-      "block_size"*: 8,                    the block the acceptance was measured at
-      "acceptance_per_pos"*: [0.8, 0.6, ...],   non-increasing, each in [0, 1]
-      "confidence_per_pos": [0.9, 0.7, ...],   the drafter's mean confidence there (what the
-                                           engine's cost model is shown); default: the acceptance
-      "block_samples": {"confidence": [[...block_size values], ...], "accepted": [k, ...],
-                        "prompt": [i, ...]},   verified full blocks: the drafter's confidence per
-                                           position and the accepted length, together, and
-                                           (optional) the index of the prompt in the profile's
-                                           prompts (`specd bench serve`'s pool, in its order)
-      "hit_rate"*: 0.6,                    P(a candidate was ready for the outcome), async mode
-      "candidate_budget": 4,               outcomes drafted ahead per sequence when measured
-      "by_block": {"4": {"acceptance_per_pos": [...], "hit_rate": 0.7}, ...},   optional
-      "rpc_seconds": 0.0005,               one drafter round trip's fixed cost
-      "overhead": {"step_seconds": 0.001, "seq_seconds": 0.0001,   the engine's, speculating
-                   "plain_step_seconds": ..., "plain_seq_seconds": ...},   and decoding plain
-      "padded_rows": true,                 each busy row is padded to the longest (specd's engine);
-                                           false: the rows' real tokens only (packed)
-      "serving": {"drafter_round_trips": true,   the drafter tables hold whole round trips through
-                                           a replica (rpc_seconds: only what a network adds)
-                  "verifier": {"rows"*: [1.0, 3.9, ...], "overhead_seconds"*: [...],
-                               "target_scale"*: [...], ...},   optional: a verifier service's
-                                           step time outside its pass, and its pass over the
-                                           target table's, by mean rows (`services.calibrate`)
-                  "speculative": {same columns, "draft_scale": [...]},   optional: the same for a
-                                           verifier speculating (async) with a drafter replica
-                                           (step time outside its pass and its blocking drafter
-                                           calls), and its blocking Draft wait over the table's
-                  "speculative_sync": {same columns, "draft_scale": [...]}},   optional: the
-                                           same drafting synchronously
-      "workload": {"prompt_tokens": [...], "output_tokens": [...], "max_tokens": 64}   optional
-      "tensor_parallel": {"2": {"pass_scale": 0.56}, ...}   optional: a verifier of N ranks'
-                                           target pass over the target table's (which is one
-                                           GPU's); `specd plan --tensor-parallel N` assumes an
-                                           ideal split plus all-reduce latency without it
-    }
+The schema is the `Profile` model below (pydantic): one class per JSON object, one field per key,
+each field's docstring saying what it holds; ``Profile.model_json_schema()`` gives it as JSON
+Schema. Validation happens there and only there: `parse_profile` turns its first complaint into a
+`ProfileError` that names the field (``serving.verifier.rows``) and what it must be. Informational
+keys (``machine``, ``tau``, a table's ``calls``, a calibration's per-level columns) are typed too,
+so what `specd bench profile` writes is the model's own JSON dump (`Profile.to_json`); unknown
+keys are ignored.
 
 Axes are strictly increasing positive integers; a cost is read by bilinear interpolation,
 clamped below the first point and extended linearly past the last (say so in ``notes`` if a
-hand-written table is sparse). ``specd/plan/profiles/qwen3-8b-h200.json`` is a hand-written
-example for a Qwen3-8B-class target on an H200-class GPU.
+hand-written table is sparse).
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import math
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError,
+                      field_validator, model_validator)
 
 SCHEMA_VERSION = 1
 
 
-@dataclass(kw_only=True, slots=True)
-class CostTable:
+class ProfileError(ValueError):
+    """A profile lacks a field or has a bad one; the message names it and what to do."""
+
+
+class FieldError(ValueError):
+    """A check that fails below the field pydantic locates it at: ``where`` is the dotted path
+    under it (empty: the field itself), ``what`` the complaint."""
+
+    def __init__(self, where: str, what: str) -> None:
+        super().__init__(what)
+        self.where, self.what = where, what
+
+
+# ====================================================================== field types
+# Numbers as JSON writes them: a bool or a string is not a number, an int is a float, and no
+# measured figure is infinite or NaN.
+def _number(**bounds: float) -> Any:
+    return Annotated[float, Field(strict=True, allow_inf_nan=False, **bounds)]
+
+
+Probability = _number(ge=0.0, le=1.0)
+NonNegative = _number(ge=0.0)
+Seconds = _number(gt=0.0)
+"""A pass: positive, finite seconds."""
+SmallSeconds = _number(ge=0.0, le=10.0)
+"""A fixed cost of a step or a round trip: seconds, at most 10."""
+PassScale = _number(ge=1e-6, le=10.0)
+PositiveInt = Annotated[int, Field(strict=True, ge=1)]
+NonNegativeInt = Annotated[int, Field(strict=True, ge=0)]
+
+
+def _absent_if_empty(default: Any) -> BeforeValidator:
+    """``null``, ``[]`` and ``{}`` read as the field's default (hand-written profiles write them)."""
+    return BeforeValidator(lambda value: default() if not value else value)
+
+
+def _increasing(values: list) -> list:
+    if any(b <= a for a, b in itertools.pairwise(values)):
+        raise ValueError(f"must be strictly increasing, got {values!r}")
+    return values
+
+
+Axis = Annotated[list[PositiveInt], Field(min_length=1), AfterValidator(_increasing)]
+"""A table's batch or token axis: a non-empty, strictly increasing list of positive integers."""
+Probabilities = Annotated[list[Probability], Field(min_length=1)]
+Column = Annotated[list[NonNegative], Field(min_length=1)]
+"""One figure per measured level of a service calibration."""
+
+
+def _ranks(ranks: int) -> int:
+    if ranks < 2:
+        raise ValueError("must map a rank count >= 2 to {pass_scale}")
+    return ranks
+
+
+class _Schema(BaseModel):
+    # Attribute docstrings become the fields' descriptions (and the JSON Schema's).
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+
+# ====================================================================== cost tables
+class TimedCall(_Schema):
+    """What one column of a drafter table timed (informational)."""
+
+    call: str
+    """"draft" or "speculate"."""
+    block: int
+    tail: int | None = None
+    """A Draft's context tokens the drafter had not seen (2: a miss; longer: a new sequence)."""
+    candidates: int | None = None
+    """A Speculate's outcomes drafted ahead (``c``)."""
+    tokens: int
+    """New nodes per row: ``tail + g`` for a Draft, ``B + c * (1 + g)`` for a Speculate."""
+
+
+class CostTable(_Schema):
     """Seconds of one pass by (batch rows, new tokens per row); see the module docstring."""
 
-    batch: list[int]
-    tokens: list[int]
-    seconds: list[list[float]]  # [len(batch)][len(tokens)]
-    _memo: dict = field(default_factory=dict, repr=False, compare=False)
+    model_config = ConfigDict(frozen=True)  # costs are memoised: a table never changes
+
+    name: str | None = None
+    """The model that was timed."""
+    context: int | None = None
+    """Cached tokens before each timed pass."""
+    calls: list[TimedCall] | None = None
+    """Which call gave each column (drafter tables)."""
+    batch: Axis
+    tokens: Axis
+    seconds: list[list[Seconds]]
+    """One row per batch of one value per token count: positive, finite seconds."""
+    _memo: dict = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _one_value_per_point(self) -> CostTable:
+        rows, columns = len(self.batch), len(self.tokens)
+        if len(self.seconds) != rows or any(len(row) != columns for row in self.seconds):
+            raise FieldError("seconds", f"must be a list of {rows} rows (one per batch) of {columns} numbers (one "
+                                        "per token count)")
+        return self
 
     def __call__(self, batch: int, tokens: int) -> float:
+        # The simulator's innermost call: the memo is read from pydantic's private values directly,
+        # as `self._memo` goes through a `__getattr__` that costs more than the lookup itself.
+        memo = self.__pydantic_private__["_memo"]
         key = (batch, tokens)
-        cost = self._memo.get(key)
+        cost = memo.get(key)
         if cost is None:
             (i, wi), (j, wj) = _segment(self.batch, batch), _segment(self.tokens, tokens)
             s = self.seconds
@@ -93,11 +149,23 @@ class CostTable:
             if batch > self.batch[-1] or tokens > self.tokens[-1]:
                 # Past the table: never cheaper than its edge (a noisy last segment may slope down).
                 cost = max(cost, self(min(batch, self.batch[-1]), min(tokens, self.tokens[-1])))
-            cost = self._memo[key] = max(cost, 0.0)
+            cost = memo[key] = max(cost, 0.0)
         return cost
 
     def to_json(self) -> dict:
+        """The axes and the seconds (what `CostTable` takes back)."""
         return {"batch": self.batch, "tokens": self.tokens, "seconds": self.seconds}
+
+    def with_seconds(self, seconds: list[list[float]]):
+        """This table (its kind, axes and what it timed) with other seconds, checked anew."""
+        return type(self).model_validate({**self.model_dump(exclude_unset=True), "seconds": seconds})
+
+
+class DrafterTable(CostTable):
+    """The drafter's Draft calls (a fresh block)."""
+
+    group_sizes: list[Annotated[int, Field(strict=True, ge=2)]] = []
+    """The drafter's mask-group sizes (empty: a group is exactly block + 1)."""
 
 
 def _segment(axis: list[int], x: float) -> tuple[int, float]:
@@ -111,25 +179,93 @@ def _segment(axis: list[int], x: float) -> tuple[int, float]:
     return i, (x - axis[i]) / (axis[i + 1] - axis[i])
 
 
-@dataclass(kw_only=True, slots=True)
-class Acceptance:
-    acceptance_per_pos: list[float]
-    hit_rate: float
+# ====================================================================== what speculation earns
+class Acceptance(_Schema):
+    """Acceptance measured at one block size (``by_block``)."""
+
+    acceptance_per_pos: Probabilities
+    """P(positions 0..i all accepted), per position."""
+    hit_rate: Probability
+    """P(a candidate was ready for the outcome), async mode."""
+    tau: float | None = None
+    """The measured mean accepted length + 1 (informational)."""
 
 
-@dataclass(kw_only=True, slots=True)
-class Serving:
+class BlockSamples(_Schema):
+    """Verified full blocks at ``block_size``, as measured: the drafter's confidence per position
+    and the accepted length, together, and which prompt each came from."""
+
+    confidence: list[list[Probability]]
+    """Per sample, ``block_size`` confidences."""
+    accepted: list[NonNegativeInt]
+    """Per sample, the accepted length (0..block_size)."""
+    prompt: Annotated[list[NonNegativeInt], _absent_if_empty(list)] = []
+    """Per sample, the index of its prompt in the profile's prompts (`specd bench serve`'s pool,
+    in its order), or empty: not recorded. Acceptance is the prompt's as much as the drafter's,
+    so a replayed request that names its prompt draws its own."""
+
+    @model_validator(mode="after")
+    def _one_length(self) -> BlockSamples:
+        if not self.accepted or len(self.confidence) != len(self.accepted):
+            raise FieldError("", "must be {confidence: [[...], ...], accepted: [...]} of the same non-zero length")
+        if self.prompt and len(self.prompt) != len(self.accepted):
+            raise FieldError("prompt", "must be one prompt index (an integer >= 0) per sample, or absent")
+        return self
+
+
+# ====================================================================== the engine and the services
+class Overhead(_Schema):
+    """The engine's seconds per step outside target passes and blocking drafter calls:
+    ``step_seconds + seq_seconds`` per running sequence, speculating, and decoding plain."""
+
+    step_seconds: SmallSeconds = 0.0
+    seq_seconds: SmallSeconds = 0.0
+    plain_step_seconds: SmallSeconds | None = None
+    """Decoding plain (no drafter); None: not measured."""
+    plain_seq_seconds: SmallSeconds | None = None
+
+
+class Serving(_Schema):
     """A verifier service's costs beyond the in-process passes, by mean rows per pass (measured by
-    `services.calibrate`; piecewise linear between the measured points, flat past them)."""
+    `services.calibrate`; piecewise linear between the measured points, flat past them). The
+    columns hold one figure per measured concurrency level; the ones the simulator reads are
+    ``rows``, ``overhead_seconds``, ``target_scale`` and ``draft_scale``, the rest record the
+    calibration run."""
 
-    rows: list[float]
-    overhead_seconds: list[float]
-    """Seconds of a step outside its target pass (admission, sampling, streaming deltas)."""
-    target_scale: list[float]
+    concurrency: list[int] | None = None
+    """The closed loop's clients."""
+    trace: list[list[list[int | None]]] | None = None
+    """Per level, its requests in the order sent: ``[prompt tokens, output tokens, prompt index]``."""
+    requests: list[int] | None = None
+    rows: Annotated[Column, AfterValidator(_increasing)]
+    """Mean rows per target pass: strictly increasing."""
+    passes: list[int] | None = None
+    target_seconds: list[float] | None = None
+    """Mean seconds of an in-service target pass."""
+    overhead_seconds: Column
+    """Seconds of a step outside its target pass (admission, sampling, streaming deltas; a
+    speculating service's blocking drafter calls left out too)."""
+    tokens_per_s: list[float] | None = None
+    """Output tokens/s the clients saw."""
+    tokens_per_row: list[float] | None = None
+    """Speculating: 1 + the mean verified block, the pass's shape."""
+    draft_seconds: list[float] | None = None
+    """Speculating: the mean wait for one blocking Draft call."""
+    rounds_target_seconds: list[list[float]] | None = None
+    """Per level, every calibration round's mean pass seconds (the columns are the median round's)."""
+    target_scale: Column
     """The in-service target pass over the target table's cost for the same pass."""
-    draft_scale: list[float] = field(default_factory=list)
+    draft_scale: Annotated[list[NonNegative], _absent_if_empty(list)] = []
     """A speculating service's blocking Draft wait over the drafter table's for the same calls
     (empty: 1)."""
+
+    @model_validator(mode="after")
+    def _one_length(self) -> Serving:
+        if not len(self.rows) == len(self.overhead_seconds) == len(self.target_scale):
+            raise FieldError("", "needs rows, overhead_seconds and target_scale of one length")
+        if self.draft_scale and len(self.draft_scale) != len(self.rows):
+            raise FieldError("draft_scale", f"must be a list of numbers as long as rows, got {self.draft_scale!r}")
+        return self
 
     def overhead(self, rows: int) -> float:
         return _interp(rows, self.rows, self.overhead_seconds)
@@ -150,55 +286,111 @@ def _interp(x: float, xs: list[float], ys: list[float]) -> float:
     return ys[-1]
 
 
-@dataclass(kw_only=True, slots=True)
-class Profile:
-    """A validated profile (module docstring); build one with `load_profile` or `parse_profile`."""
+class ServiceCosts(_Schema):
+    """``serving``: what the services cost beyond the in-process passes (`services.calibrate`)."""
 
-    target: CostTable
-    drafter: CostTable
-    """Draft calls (a fresh block)."""
-    speculate: CostTable
-    """Speculate calls (candidates for the block under verification)."""
-    block_size: int
-    acceptance_per_pos: list[float]
-    hit_rate: float
-    confidence_per_pos: list[float] = field(default_factory=list)
-    """The drafter's mean confidence per position at ``block_size`` (empty: its acceptance)."""
-    sample_confidence: list[list[float]] = field(default_factory=list)
-    """Verified full blocks at ``block_size``: the drafter's confidence per position ..."""
-    sample_accepted: list[int] = field(default_factory=list)
-    """... and the accepted length of each (empty: no samples) ..."""
-    sample_prompt: list[int] = field(default_factory=list)
-    """... and the index of the prompt it was decoding (empty: not recorded): acceptance is the
-    prompt's as much as the drafter's, so a replayed request that names its prompt draws its own."""
-    group_sizes: list[int] = field(default_factory=list)
-    """The drafter's mask-group sizes (empty: a group is exactly block + 1)."""
-    candidate_budget: int = 4
-    by_block: dict[int, Acceptance] = field(default_factory=dict)
-    rpc_seconds: float = 0.0005
-    step_overhead_s: float = 0.0
-    seq_overhead_s: float = 0.0
-    plain_step_overhead_s: float | None = None
-    """The engine's overhead decoding plain (no drafter); None: not measured."""
-    plain_seq_overhead_s: float | None = None
-    padded_rows: bool = True
-    serving: Serving | None = None
-    speculative_serving: Serving | None = None
-    """A speculating (async) verifier service's costs (`serving.speculative`); None: not measured."""
-    sync_serving: Serving | None = None
-    """The same drafting synchronously (`serving.speculative_sync`); None: not measured."""
     drafter_round_trips: bool = False
-    """The drafter tables are whole round trips through a replica (not bare passes)."""
-    prompt_tokens: list[int] = field(default_factory=list)
-    output_tokens: list[int] = field(default_factory=list)
-    tensor_parallel: dict[int, float] = field(default_factory=dict)
-    """Ranks N -> measured pass scale: a tensor-parallel verifier's target pass over the table's."""
-    notes: str = ""
-    raw: dict = field(default_factory=dict, repr=False)
+    """The drafter tables hold whole round trips through a replica (``rpc_seconds``: only what a
+    network adds), not bare passes."""
+    verifier: Serving | None = None
+    """A plain verifier service; None: not measured."""
+    speculative: Serving | None = None
+    """The same verifier speculating (async) with a drafter replica; None: not measured."""
+    speculative_sync: Serving | None = None
+    """The same drafting synchronously; None: not measured (sync borrows async's)."""
+
+
+class ObservedWorkload(_Schema):
+    """The lengths the acceptance run saw (`specd plan`'s default workload)."""
+
+    prompt_tokens: list[PositiveInt] = []
+    output_tokens: list[PositiveInt] = []
+    max_tokens: int | None = None
+
+
+class TensorParallel(_Schema):
+    """A verifier of N ranks, measured."""
+
+    pass_scale: PassScale
+    """Its target pass over the target table's (which is one GPU's)."""
+
+
+# ====================================================================== the profile
+class Profile(_Schema):
+    """A validated profile (module docstring); read one with `load_profile` or `parse_profile`."""
+
+    version: int = SCHEMA_VERSION
+    machine: str | dict[str, Any] | None = None
+    """What it was measured on (free form)."""
+    notes: Annotated[str, BeforeValidator(lambda v: v if isinstance(v, str) else json.dumps(v))] = ""
+    """Assumptions (a hand-written profile must state its own) and how it was measured."""
+    target: CostTable
+    """The target's verification passes."""
+    drafter: DrafterTable
+    """The drafter's Draft calls (a fresh block)."""
+    speculate: CostTable | None = None
+    """The drafter's Speculate calls (candidates for the block under verification); None: the
+    Draft table stands in (`speculate_table`)."""
+    block_size: PositiveInt
+    """The block the acceptance was measured at."""
+    acceptance_per_pos: Probabilities
+    """P(positions 0..i all accepted) at ``block_size``."""
+    confidence_per_pos: Annotated[list[Probability], _absent_if_empty(list)] = []
+    """The drafter's mean confidence per position at ``block_size`` (what the engine's cost model
+    is shown); empty: its acceptance."""
+    block_samples: Annotated[BlockSamples | None, _absent_if_empty(lambda: None)] = None
+    hit_rate: Probability
+    """P(a candidate was ready for the outcome), async mode."""
+    tau: float | None = None
+    """The measured mean accepted length + 1 (informational)."""
+    candidate_budget: Annotated[int, Field(ge=0)] = 4
+    """Outcomes drafted ahead per sequence when measured."""
+    by_block: Annotated[dict[Annotated[int, Field(ge=0)], Acceptance], _absent_if_empty(dict)] = {}
+    """Acceptance measured at other block sizes."""
+    rpc_seconds: SmallSeconds = 0.0005
+    """One drafter round trip's fixed cost."""
+    overhead: Annotated[Overhead, _absent_if_empty(Overhead)] = Field(default_factory=Overhead)
+    padded_rows: bool = True
+    """Each busy row is padded to the longest (specd's engine); false: the rows' real tokens only
+    (packed)."""
+    workload: Annotated[ObservedWorkload, _absent_if_empty(ObservedWorkload)] = Field(default_factory=ObservedWorkload)
+    drafter_pass: CostTable | None = None
+    """With ``serving.drafter_round_trips``: the bare Draft passes the round trips replaced."""
+    speculate_pass: CostTable | None = None
+    """... and the bare Speculate passes."""
+    serving: ServiceCosts = Field(default_factory=ServiceCosts)
+    tensor_parallel: Annotated[dict[Annotated[int, AfterValidator(_ranks)], TensorParallel],
+                               _absent_if_empty(dict)] = {}
+    """Ranks N -> a tensor-parallel verifier's measured pass; `specd plan --tensor-parallel N`
+    assumes an ideal split plus all-reduce latency without it."""
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _readable(cls, version: Any) -> int:
+        if version != SCHEMA_VERSION:
+            raise ValueError(f"is {version!r}; this specd reads version {SCHEMA_VERSION}")
+        return version
+
+    @model_validator(mode="after")
+    def _samples_fit_the_block(self) -> Profile:
+        samples = self.block_samples
+        for row, accepted in zip(samples.confidence, samples.accepted) if samples is not None else ():
+            if len(row) != self.block_size:
+                raise FieldError("block_samples.confidence",
+                                 f"each row must hold block_size ({self.block_size}) probabilities, got {row!r}")
+            if accepted > self.block_size:
+                raise FieldError("block_samples.accepted", f"each must be an integer in 0..{self.block_size}, "
+                                                           f"got {accepted!r}")
+        return self
+
+    @property
+    def speculate_table(self) -> CostTable:
+        """What a Speculate call costs: the ``speculate`` table, else the Draft table."""
+        return self.drafter if self.speculate is None else self.speculate
 
     def group_size(self, block: int) -> int:
         """Mask-group size the drafter uses for a block of ``block`` tokens (+1 bonus guess)."""
-        fitting = [g for g in self.group_sizes if g >= block + 1]
+        fitting = [g for g in self.drafter.group_sizes if g >= block + 1]
         return min(fitting) if fitting else block + 1
 
     def acceptance(self, block: int) -> list[float]:
@@ -218,6 +410,10 @@ class Profile:
     def hit_rate_for(self, block: int) -> float:
         return self.by_block[block].hit_rate if block in self.by_block else self.hit_rate
 
+    def to_json(self) -> dict:
+        """The profile as its JSON object: the keys it was given or built with, no others."""
+        return self.model_dump(mode="json", exclude_unset=True)
+
 
 def _extended(source: list[float], block: int) -> list[float]:
     """Probabilities per position, clipped to [0, 1], made non-increasing, and carried on past
@@ -233,54 +429,9 @@ def _extended(source: list[float], block: int) -> list[float]:
     return values[:block]
 
 
-def _serving(data: Any, where: str, number, required, fail) -> Serving:
-    """One ``serving`` block: rows, overhead_seconds and target_scale of one length, rows increasing."""
-    if not isinstance(data, dict):
-        raise fail(where, "must be an object with rows, overhead_seconds and target_scale")
-    columns = {}
-    for name in ("rows", "overhead_seconds", "target_scale"):
-        values = required(data, name, f"{where}.")
-        if not isinstance(values, list) or not values:
-            raise fail(f"{where}.{name}", f"must be a non-empty list of numbers, got {values!r}")
-        columns[name] = [number(f"{where}.{name}", v, 0.0) for v in values]
-    if len({len(v) for v in columns.values()}) != 1:
-        raise fail(where, "needs rows, overhead_seconds and target_scale of one length")
-    if any(b <= a for a, b in itertools.pairwise(columns["rows"])):
-        raise fail(f"{where}.rows", f"must be strictly increasing, got {columns['rows']!r}")
-    draft = data.get("draft_scale") or []
-    if not isinstance(draft, list) or len(draft) not in (0, len(columns["rows"])):
-        raise fail(f"{where}.draft_scale", f"must be a list of numbers as long as rows, got {draft!r}")
-    return Serving(**columns, draft_scale=[number(f"{where}.draft_scale", v, 0.0) for v in draft])
-
-
-def _samples(data: Any, block_size: int, fail) -> dict:
-    """``block_samples`` -> Profile fields, checked: rows of ``block_size`` probabilities, one
-    accepted length in 0..block_size each."""
-    if not data:
-        return {}
-    confidence, accepted = (data.get(k) if isinstance(data, dict) else None for k in ("confidence", "accepted"))
-    if not isinstance(confidence, list) or not isinstance(accepted, list) or len(confidence) != len(accepted) or not accepted:
-        raise fail("block_samples", "must be {confidence: [[...], ...], accepted: [...]} of the same non-zero length")
-    for row, k in zip(confidence, accepted):
-        if not isinstance(row, list) or len(row) != block_size or not all(
-                isinstance(x, (int, float)) and 0.0 <= x <= 1.0 for x in row):
-            raise fail("block_samples.confidence", f"each row must hold block_size ({block_size}) probabilities, got {row!r}")
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= block_size:
-            raise fail("block_samples.accepted", f"each must be an integer in 0..{block_size}, got {k!r}")
-    prompt = data.get("prompt") or []
-    if not isinstance(prompt, list) or len(prompt) not in (0, len(accepted)) or not all(
-            isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in prompt):
-        raise fail("block_samples.prompt", "must be one prompt index (an integer >= 0) per sample, or absent")
-    return {"sample_confidence": [[float(x) for x in row] for row in confidence], "sample_accepted": list(accepted),
-            "sample_prompt": list(prompt)}
-
-
-class ProfileError(ValueError):
-    """A profile lacks a field or has a bad one; the message names it and what to do."""
-
-
+# ====================================================================== reading one
 def load_profile(path: str | Path) -> Profile:
-    """Read and validate a profile JSON file (schema in the module docstring)."""
+    """Read and validate a profile JSON file (the schema: `Profile`)."""
     path = Path(path)
     if not path.is_file():
         raise ProfileError(f"no profile at {path}: write one with `specd bench profile --json {path}` "
@@ -293,115 +444,40 @@ def load_profile(path: str | Path) -> Profile:
 
 
 def parse_profile(data: Any, *, source: str = "profile") -> Profile:
-    """Validate a profile dict; ProfileError names the first missing or bad field."""
-
-    def fail(name: str, what: str) -> ProfileError:
-        return ProfileError(f"{source}: field {name!r} {what} (schema: specd/plan/profile.py)")
-
+    """Validate a profile's JSON object; ProfileError names the first missing or bad field."""
     if not isinstance(data, dict):
         raise ProfileError(f"{source}: a profile is a JSON object, got {type(data).__name__}")
-    version = data.get("version", SCHEMA_VERSION)
-    if version != SCHEMA_VERSION:
-        raise fail("version", f"is {version!r}; this specd reads version {SCHEMA_VERSION}")
+    try:
+        return Profile.model_validate(data)
+    except ValidationError as err:
+        raise ProfileError(_describe(err, source)) from None
 
-    def number(name: str, value: Any, low: float, high: float = math.inf) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-            raise fail(name, f"must be a number in [{low}, {high}], got {value!r}")
-        return float(value)
 
-    def required(obj: dict, name: str, prefix: str = "") -> Any:
-        if name not in obj:
-            raise fail(prefix + name, "is missing")
-        return obj[name]
+def _describe(err: ValidationError, source: str) -> str:
+    """pydantic's first error as ``field 'a.b' [at item [i]]: what it must be, got what it was``."""
+    errors = err.errors(include_url=False)
+    first = errors[0]
+    loc = list(first["loc"])
+    if "[key]" in loc:  # a bad key of a mapping: the key is the field
+        loc = loc[:loc.index("[key]")]
+    named = max((i + 1 for i, part in enumerate(loc) if isinstance(part, str)), default=len(loc))
+    path, items = [str(part) for part in loc[:named]], loc[named:]  # trailing integers index a list
+    error = first.get("ctx", {}).get("error")
+    if isinstance(error, FieldError):
+        path += [part for part in error.where.split(".") if part]
+    at = f" at item {''.join(f'[{i}]' for i in items)}" if items else ""
+    if first["type"] == "missing":
+        what = f"{at} is missing"
+    elif isinstance(error, ValueError):  # one of the checks above: its own words
+        what = f"{at}: {error}"
+    elif first["type"] in ("model_type", "model_attributes_type", "dict_type"):
+        what = f"{at}: must be an object, got {_short(first['input'])}"
+    else:
+        what = f"{at}: {first['msg'][0].lower()}{first['msg'][1:]}, got {_short(first['input'])}"
+    more = f"; {len(errors) - 1} more problem(s)" if len(errors) > 1 else ""
+    return f"{source}: field {'.'.join(path)!r}{what}{more} (schema: specd/plan/profile.py)"
 
-    def table(name: str) -> CostTable:
-        obj = required(data, name)
-        if not isinstance(obj, dict):
-            raise fail(name, "must be an object with batch, tokens and seconds")
-        axes = {}
-        for axis in ("batch", "tokens"):
-            values = required(obj, axis, f"{name}.")
-            if (not isinstance(values, list) or not values
-                    or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values)
-                    or any(b <= a for a, b in itertools.pairwise(values))):
-                raise fail(f"{name}.{axis}", f"must be a non-empty, strictly increasing list of positive integers, got {values!r}")
-            axes[axis] = values
-        seconds = required(obj, "seconds", f"{name}.")
-        shape = (len(axes["batch"]), len(axes["tokens"]))
-        if (not isinstance(seconds, list) or len(seconds) != shape[0]
-                or not all(isinstance(row, list) and len(row) == shape[1] for row in seconds)):
-            raise fail(f"{name}.seconds", f"must be a list of {shape[0]} rows (one per batch) of {shape[1]} numbers (one per token count)")
-        for row in seconds:
-            for value in row:
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-                    raise fail(f"{name}.seconds", f"must hold positive finite seconds, got {value!r}")
-        return CostTable(batch=axes["batch"], tokens=axes["tokens"], seconds=[[float(v) for v in row] for row in seconds])
 
-    def acceptance(name: str, values: Any) -> list[float]:
-        if not isinstance(values, list) or not values:
-            raise fail(name, f"must be a non-empty list of probabilities, got {values!r}")
-        return [number(name, v, 0.0, 1.0) for v in values]
-
-    target, drafter = table("target"), table("drafter")
-    speculate = table("speculate") if "speculate" in data else drafter
-    block_size = required(data, "block_size")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise fail("block_size", f"must be a positive integer, got {block_size!r}")
-    by_block = {}
-    for key, entry in (data.get("by_block") or {}).items():
-        if not str(key).isdigit() or not isinstance(entry, dict):
-            raise fail(f"by_block.{key}", "must map a block size to {acceptance_per_pos, hit_rate}")
-        by_block[int(key)] = Acceptance(
-            acceptance_per_pos=acceptance(f"by_block.{key}.acceptance_per_pos", required(entry, "acceptance_per_pos", f"by_block.{key}.")),
-            hit_rate=number(f"by_block.{key}.hit_rate", required(entry, "hit_rate", f"by_block.{key}."), 0.0, 1.0))
-    overhead = data.get("overhead") or {}
-    workload = data.get("workload") or {}
-    lengths = {}
-    for name in ("prompt_tokens", "output_tokens"):
-        values = workload.get(name, [])
-        if not isinstance(values, list) or not all(isinstance(v, int) and v >= 1 for v in values):
-            raise fail(f"workload.{name}", f"must be a list of positive integers, got {values!r}")
-        lengths[name] = values
-    group_sizes = data["drafter"].get("group_sizes", [])
-    if not isinstance(group_sizes, list) or not all(isinstance(g, int) and g >= 2 for g in group_sizes):
-        raise fail("drafter.group_sizes", f"must be a list of integers >= 2, got {group_sizes!r}")
-    serving, speculative, sync, round_trips = None, None, None, False
-    if "serving" in data:
-        block = data["serving"]
-        if not isinstance(block, dict):
-            raise fail("serving", "must be an object")
-        round_trips = bool(block.get("drafter_round_trips", False))
-        if "verifier" in block:
-            serving = _serving(block["verifier"], "serving.verifier", number, required, fail)
-        if "speculative" in block:
-            speculative = _serving(block["speculative"], "serving.speculative", number, required, fail)
-        if "speculative_sync" in block:
-            sync = _serving(block["speculative_sync"], "serving.speculative_sync", number, required, fail)
-    tensor_parallel = {}
-    for key, entry in (data.get("tensor_parallel") or {}).items():
-        if not str(key).isdigit() or int(key) < 2 or not isinstance(entry, dict):
-            raise fail(f"tensor_parallel.{key}", "must map a rank count >= 2 to {pass_scale}")
-        scale = required(entry, "pass_scale", f"tensor_parallel.{key}.")
-        tensor_parallel[int(key)] = number(f"tensor_parallel.{key}.pass_scale", scale, 1e-6, 10.0)
-    notes = data.get("notes", "")
-    return Profile(
-        target=target, drafter=drafter, speculate=speculate, block_size=block_size,
-        acceptance_per_pos=acceptance("acceptance_per_pos", required(data, "acceptance_per_pos")),
-        confidence_per_pos=acceptance("confidence_per_pos", data["confidence_per_pos"]) if data.get("confidence_per_pos") else [],
-        **_samples(data.get("block_samples"), block_size, fail),
-        hit_rate=number("hit_rate", required(data, "hit_rate"), 0.0, 1.0),
-        group_sizes=sorted(group_sizes), by_block=by_block,
-        candidate_budget=int(number("candidate_budget", data.get("candidate_budget", 4), 0)),
-        rpc_seconds=number("rpc_seconds", data.get("rpc_seconds", 0.0005), 0.0, 10.0),
-        step_overhead_s=number("overhead.step_seconds", overhead.get("step_seconds", 0.0), 0.0, 10.0),
-        seq_overhead_s=number("overhead.seq_seconds", overhead.get("seq_seconds", 0.0), 0.0, 10.0),
-        plain_step_overhead_s=(number("overhead.plain_step_seconds", overhead["plain_step_seconds"], 0.0, 10.0)
-                               if "plain_step_seconds" in overhead else None),
-        plain_seq_overhead_s=(number("overhead.plain_seq_seconds", overhead["plain_seq_seconds"], 0.0, 10.0)
-                              if "plain_seq_seconds" in overhead else None),
-        padded_rows=bool(data.get("padded_rows", True)), serving=serving, speculative_serving=speculative,
-        sync_serving=sync,
-        drafter_round_trips=round_trips,
-        prompt_tokens=lengths["prompt_tokens"], output_tokens=lengths["output_tokens"],
-        tensor_parallel=tensor_parallel, notes=notes if isinstance(notes, str) else json.dumps(notes), raw=data,
-    )
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."

@@ -19,10 +19,10 @@ It models what the services do, step by step, with costs from a profile (`specd.
   ``serving.speculative_sync``: sync, else sync borrows async's), that service's pass ratio and
   overhead, and — sync — its blocking Draft calls cost the drafter table times that service's
   measured ratio (``draft_scale``: its wait for a Draft over the simulator's replay of the same
-  level). An async service's ratio is measured too (1.6x to 2.6x on the CPU machine, against
-  about 1 for sync) but not applied: applying it took the async rows to 0.65x-1.06x of `specd
-  bench serve` (0.94x-1.22x without), so that wait is spent somewhere the simulator already
-  prices or does not model, an open question. Otherwise the engine's in-process line
+  level). An async service's ratio is measured too but not applied: applying it moved the
+  simulated async rows away from `specd bench serve`'s, so that wait is spent somewhere the
+  simulator already prices or does not model, an open question (the figures: README, "Deploying,
+  and choosing the drafter:verifier split"). Otherwise the engine's in-process line
   ``step_seconds + seq_seconds * rows``.
 - **Blocks.** ``L`` is the configured block, or with ``adaptive_block`` (the verifier's default)
   what the engine's own `specd.cost_model.CostModel` picks, one per verifier, fed as the engine
@@ -350,10 +350,11 @@ class Simulation:
         self.group = profile.group_size(block) if block else 0
         # The verifier service's measured costs: speculating, the one measured in this mode where
         # there is one (sync borrows async's where only that was measured); else the plain one's.
-        measured = {"sync": (profile.sync_serving, profile.speculative_serving),
-                    "async": (profile.speculative_serving,)}.get(config.mode, ()) if self.speculative else ()
-        self.serving = next((s for s in measured if s is not None), profile.serving)
-        self.serving_speculative = self.serving is not None and self.serving is not profile.serving
+        services = profile.serving
+        measured = {"sync": (services.speculative_sync, services.speculative),
+                    "async": (services.speculative,)}.get(config.mode, ()) if self.speculative else ()
+        self.serving = next((s for s in measured if s is not None), services.verifier)
+        self.serving_speculative = self.serving is not None and self.serving is not services.verifier
         self.verifiers = [_Verifier(i, config.drafters, config.explore_every) for i in range(config.verifiers)]
         # What the engine's cost model is shown: the drafter's own confidence, where measured.
         self.confidence = profile.confidence(block) if block else []
@@ -364,11 +365,12 @@ class Simulation:
         # independent draws from the acceptance.
         self.samples = None
         self.by_prompt: dict[int, np.ndarray] = {}  # prompt index -> its samples' rows
-        if block and profile.sample_accepted and block <= len(profile.sample_confidence[0]):
-            confidence = np.asarray(profile.sample_confidence, dtype=np.float64)[:, :block]
-            self.samples = (confidence, np.minimum(np.asarray(profile.sample_accepted), block),
+        samples = profile.block_samples
+        if block and samples is not None and block <= len(samples.confidence[0]):
+            confidence = np.asarray(samples.confidence, dtype=np.float64)[:, :block]
+            self.samples = (confidence, np.minimum(np.asarray(samples.accepted), block),
                             np.concatenate([np.zeros((len(confidence), 1)), np.cumsum(confidence, axis=1)], axis=1))
-            prompts = np.asarray(profile.sample_prompt, dtype=np.int64)
+            prompts = np.asarray(samples.prompt, dtype=np.int64)
             for prompt in np.unique(prompts):
                 self.by_prompt[int(prompt)] = np.flatnonzero(prompts == prompt)
         num_drafters = config.drafters if self.speculative else 0
@@ -471,14 +473,14 @@ class Simulation:
         """A step's time outside its pass. Where the profile measured a verifier service (plain),
         that by rows, plus — when speculating — what speculation adds to the engine's step in
         process (its speculating line minus its plain one); else the engine's in-process line."""
-        p = self.profile
+        p = self.profile.overhead
         if self.serving is None:
-            return p.step_overhead_s + p.seq_overhead_s * rows
+            return p.step_seconds + p.seq_seconds * rows
         overhead = self.serving.overhead(rows)
         if self.serving_speculative:
             return overhead  # measured speculating: nothing to add
-        if self.speculative and p.plain_step_overhead_s is not None:
-            extra = (p.step_overhead_s - p.plain_step_overhead_s) + (p.seq_overhead_s - (p.plain_seq_overhead_s or 0.0)) * rows
+        if self.speculative and p.plain_step_seconds is not None:
+            extra = (p.step_seconds - p.plain_step_seconds) + (p.seq_seconds - (p.plain_seq_seconds or 0.0)) * rows
             overhead += max(extra, 0.0)
         return overhead
 
@@ -580,7 +582,7 @@ class Simulation:
         if kind == "draft":
             cost = self.profile.drafter(rows, _row_tokens([s.tail + self.group for s in part], self.padded))
         else:
-            cost = self.profile.speculate(rows, length + self.config.candidate_budget * (1 + self.group))
+            cost = self.profile.speculate_table(rows, length + self.config.candidate_budget * (1 + self.group))
         cost *= scale
         with replica.lock.request() as turn:
             yield turn

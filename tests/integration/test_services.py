@@ -222,38 +222,39 @@ def test_bench_profile_times_the_drafter_through_a_replica_and_the_verifier_in_s
     settings = ProfileSettings(batches=(1, 2), tokens=(1, 5), budgets=(1,), tails=(2, 8), context=8, repeats=1,
                                block_size=4, extra_blocks=(), acceptance_batches=(2,), max_tokens=6)
     pool = prompts(6, tokenizer.get_vocab_size())
-    data = measure_profile(target, drafter, pool, settings)
-    bare = {name: dict(data[name]) for name in ("drafter", "speculate")}
-    measure_services(data, settings, target_dir, drafter_dir, drafter, pool, levels=(1, 4))
+    profile = measure_profile(target, drafter, pool, settings)
+    bare = {"drafter": profile.drafter, "speculate": profile.speculate}
+    measure_services(profile, settings, target_dir, drafter_dir, drafter, pool, levels=(1, 4))
 
-    profile = parse_profile(data)
-    assert profile.drafter_round_trips
-    for name in ("drafter", "speculate"):
-        assert data[f"{name}_pass"]["seconds"] == bare[name]["seconds"]  # the bare passes stay, beside
-        assert [len(row) for row in data[name]["seconds"]] == [len(row) for row in bare[name]["seconds"]]
-        assert data[name]["seconds"] != bare[name]["seconds"]  # ... the round trips, measured anew
-    verifier = data["serving"]["verifier"]
-    assert verifier["concurrency"] == [1, 4] and verifier["requests"] == [16, 16]
-    assert [len(t) for t in verifier["trace"]] == [16, 16]  # (prompt, output) per request, replayed by the sim
+    loaded = parse_profile(profile.to_json())  # what `specd bench profile` writes, read back
+    assert loaded.to_json() == profile.to_json() and loaded.serving.drafter_round_trips
+    for table, passes, before in ((profile.drafter, profile.drafter_pass, bare["drafter"]),
+                                  (profile.speculate, profile.speculate_pass, bare["speculate"])):
+        assert passes.seconds == before.seconds  # the bare passes stay, beside
+        assert [len(row) for row in table.seconds] == [len(row) for row in before.seconds]
+        assert table.seconds != before.seconds  # ... the round trips, measured anew
+    verifier = profile.serving.verifier
+    assert verifier.concurrency == [1, 4] and verifier.requests == [16, 16]
+    assert [len(t) for t in verifier.trace] == [16, 16]  # (prompt, output) per request, replayed by the sim
     # ... with the prompt's index in the pool, which names its verified blocks in the samples.
-    assert [entry[2] for entry in verifier["trace"][0]] == [i % len(pool) for i in range(16)]
-    assert set(data["block_samples"]["prompt"]) <= set(range(len(pool)))
+    assert [entry[2] for entry in verifier.trace[0]] == [i % len(pool) for i in range(16)]
+    assert set(profile.block_samples.prompt) <= set(range(len(pool)))
     # One client: every pass has exactly one row. Four: never more than four.
-    assert verifier["rows"][0] == pytest.approx(1.0) and 1.0 < verifier["rows"][1] <= 4.0
-    assert all(s > 0 for s in verifier["target_scale"]) and all(s >= 0 for s in verifier["overhead_seconds"])
-    assert profile.serving.overhead(1) == pytest.approx(verifier["overhead_seconds"][0])
+    assert verifier.rows[0] == pytest.approx(1.0) and 1.0 < verifier.rows[1] <= 4.0
+    assert all(s > 0 for s in verifier.target_scale) and all(s >= 0 for s in verifier.overhead_seconds)
+    assert loaded.serving.verifier.overhead(1) == pytest.approx(verifier.overhead_seconds[0])
     # The same verifier speculating with one drafter replica: rows counted by drafts, the pass's
     # shape (1 + the mean verified block), its ratio to the table at that shape.
-    speculative = data["serving"]["speculative"]
-    assert speculative["concurrency"] == [1, 4] and speculative["rows"][0] == pytest.approx(1.0)
-    assert all(1.0 <= t <= 1 + settings.block_size for t in speculative["tokens_per_row"])
-    assert all(s > 0 for s in speculative["target_scale"]) and all(s >= 0 for s in speculative["overhead_seconds"])
-    assert profile.speculative_serving.overhead(1) == pytest.approx(speculative["overhead_seconds"][0])
+    speculative = profile.serving.speculative
+    assert speculative.concurrency == [1, 4] and speculative.rows[0] == pytest.approx(1.0)
+    assert all(1.0 <= t <= 1 + settings.block_size for t in speculative.tokens_per_row)
+    assert all(s > 0 for s in speculative.target_scale) and all(s >= 0 for s in speculative.overhead_seconds)
+    assert loaded.serving.speculative.overhead(1) == pytest.approx(speculative.overhead_seconds[0])
     # ... and drafting synchronously: every step waits for a Draft round trip, outside its overhead.
-    synchronous = data["serving"]["speculative_sync"]
-    assert synchronous["concurrency"] == [1, 4] and synchronous["rows"][0] == pytest.approx(1.0)
-    assert all(s > 0 for s in synchronous["target_scale"]) and all(s >= 0 for s in synchronous["overhead_seconds"])
-    assert profile.sync_serving.scale(1) == pytest.approx(synchronous["target_scale"][0])
+    synchronous = profile.serving.speculative_sync
+    assert synchronous.concurrency == [1, 4] and synchronous.rows[0] == pytest.approx(1.0)
+    assert all(s > 0 for s in synchronous.target_scale) and all(s >= 0 for s in synchronous.overhead_seconds)
+    assert loaded.serving.speculative_sync.scale(1) == pytest.approx(synchronous.target_scale[0])
     # Every sync step waits for a Draft: its measured wait over the simulator's is a ratio too.
-    assert all(d > 0 for d in synchronous["draft_seconds"]) and all(s > 0 for s in synchronous["draft_scale"])
-    assert profile.sync_serving.draft(1) == pytest.approx(synchronous["draft_scale"][0])
+    assert all(d > 0 for d in synchronous.draft_seconds) and all(s > 0 for s in synchronous.draft_scale)
+    assert loaded.serving.speculative_sync.draft(1) == pytest.approx(synchronous.draft_scale[0])

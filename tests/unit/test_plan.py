@@ -117,6 +117,7 @@ def test_the_example_profile_loads_and_states_its_assumptions():
     # Bandwidth-bound small batches: ~16 GB at ~4 TB/s is 4-5 ms, and more tokens cost more once compute-bound.
     assert 0.004 <= profile.target(1, 1) <= 0.006
     assert profile.target(64, 512) > 10 * profile.target(64, 1)
+    assert profile.to_json() == json.loads(EXAMPLE.read_text())  # typed throughout, nothing dropped or added
 
 
 def test_a_measured_profile_loads_back():
@@ -125,15 +126,20 @@ def test_a_measured_profile_loads_back():
     settings = ProfileSettings(batches=(1, 2), tokens=(1, 9), budgets=(1, 2), tails=(2, 16), context=16, repeats=1,
                                block_size=4, extra_blocks=(2,), acceptance_batches=(1, 2), max_tokens=6)
     prompts = [torch.randint(7, 512, (9,)).tolist() for _ in range(3)]
-    data = measure_profile(target, drafter, prompts, settings)
-    profile = parse_profile(json.loads(json.dumps(data)))
+    measured = measure_profile(target, drafter, prompts, settings)
+    data = json.loads(json.dumps(measured.to_json()))
+    # What it was built with, and nothing it was not (no services here: no serving block).
+    assert set(data) >= {"version", "machine", "target", "drafter", "speculate", "block_samples", "by_block",
+                         "overhead", "workload"} and "serving" not in data
+    profile = parse_profile(data)
+    assert profile.to_json() == data  # the JSON loads back to the same profile
     assert profile.target.tokens == [1, 9]
     assert profile.drafter.tokens == [2 + 5, 16 + 5]  # Draft: unseen tokens + the 5-mask group for block 4
     # Speculate: block + c * (1 + group), for blocks 4 and 2 (both use the 5-mask group), c = 1, 2.
     assert profile.speculate.tokens == [2 + 6, 4 + 6, 2 + 12, 4 + 12]
     assert len(profile.acceptance_per_pos) == 4 and sorted(profile.by_block) == [2, 4]
-    assert len(profile.output_tokens) == 3 and max(profile.output_tokens) <= 6
-    print(format_profile(data))
+    assert len(profile.workload.output_tokens) == 3 and max(profile.workload.output_tokens) <= 6
+    print(format_profile(profile))
 
 
 # ---------------------------------------------------------------------------- planning
