@@ -34,6 +34,7 @@ class KVCache:
     """
 
     supports_row_prefix = True
+    """A batch may cover the first rows only (the engine asks every cache)."""
 
     def __init__(
         self,

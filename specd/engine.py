@@ -4,16 +4,17 @@
 speculative output == plain greedy output". It batches ragged prompts: one prefill pass, then
 one decode pass per step for the sequences still running.
 
-`SpeculativeEngine` is the serving loop: continuous batching of many sequences, block
-verification with the rejection sampler, cache commit of the accepted path, drafting of the
-next block's candidates overlapped with verification, and a cost model that picks the block
-length per step (down to plain decoding). With no drafter it *is* plain decoding, in the same
-code path as everything it is compared with.
+`SpeculativeEngine` is the serving loop: continuous batching of many sequences (admitted and
+finished by `specd.scheduler.Scheduler`), block verification with the rejection sampler, cache
+commit of the accepted path, drafting of the next block's candidates overlapped with
+verification, and a cost model that picks the block length per step (down to plain decoding).
+With no drafter it *is* plain decoding, in the same code path as everything it is compared with.
+
+`tau` is τ, defined here once for every report of it (`EngineStats.tau`, a request's usage).
 """
 
 from __future__ import annotations
 
-import heapq
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from specd.batch import ForwardBatch
 from specd.cost_model import CostModel
 from specd.cuda_graphs import GraphRunner
 from specd.drafters.base import (
-    DraftBlock,
+    Drafter,
     DrafterUnavailable,
     DraftRequest,
     SpeculateRequest,
@@ -41,23 +42,8 @@ from specd.sampling import (
     verify_block,
     verify_greedy,
 )
+from specd.scheduler import Generation, RunningSequence, Scheduler
 from specd.tree import TokenTree
-
-
-@dataclass(kw_only=True, slots=True)
-class Generation:
-    """One request's output."""
-
-    token_ids: list[int] = field(default_factory=list)
-    """Generated ids (prompt excluded; a stop token that ended it included)."""
-    finish_reason: str = "length"
-    """"stop" (a stop token), "length" (max_tokens) or "error" (see ``error``)."""
-    num_passes: int = 0
-    """Target passes that produced this request's tokens (prefill included)."""
-    accepted_lengths: list[int] = field(default_factory=list)
-    """Drafted tokens accepted at each of this request's verification passes (speculative only)."""
-    error: str = ""
-    """With finish_reason "error": what failed in this request alone (the others went on)."""
 
 
 def check_prompt(prompt: Sequence[int], vocab_size: int, params: SamplingParams | None = None) -> None:
@@ -167,12 +153,25 @@ class EngineConfig:
             raise ValueError(f"draft_headroom must be >= 1 (or None for full blocks), got {self.draft_headroom}")
 
 
+def tau(num_accepted_tokens: float, num_sequence_passes: float) -> float:
+    """τ: mean tokens a verification pass commits per sequence — the drafted tokens it accepts,
+    plus the one the target adds (its correction, or the bonus token). ``num_sequence_passes``
+    counts every sequence in every pass, plain steps (no drafted block) included; 1.0 before any
+    pass, plain decoding's value. Counters may be metric deltas, hence floats."""
+    return num_accepted_tokens / num_sequence_passes + 1 if num_sequence_passes else 1.0
+
+
 @dataclass(kw_only=True, slots=True)
 class EngineStats:
     """Counters named like vLLM's spec-decode metrics, plus the candidate hit rate and timings."""
 
     num_steps: int = 0
+    num_sequence_passes: int = 0
+    """Sequences verified, summed over target passes (each running sequence once per pass,
+    with or without a drafted block): τ's denominator."""
     num_drafts: int = 0
+    """Verification passes over a drafted block, one per sequence (vLLM's meaning: a plain
+    step of a sequence is not a draft)."""
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
@@ -198,8 +197,8 @@ class EngineStats:
 
     @property
     def tau(self) -> float:
-        """Mean tokens committed per target pass per sequence (= mean accepted + 1)."""
-        return (self.num_accepted_tokens / self.num_drafts + 1) if self.num_drafts else 1.0
+        """τ over every pass so far (`tau`)."""
+        return tau(self.num_accepted_tokens, self.num_sequence_passes)
 
     @property
     def hit_rate(self) -> float:
@@ -227,31 +226,19 @@ class EngineStats:
         return outside / self.num_steps if self.num_steps else 0.0
 
     def count_block(self, drafted: int, accepted: int) -> None:
+        """One sequence's verification: ``drafted`` tokens verified (0: a plain step), ``accepted`` kept."""
+        self.num_sequence_passes += 1
+        if not drafted:
+            return
         while len(self.num_drafts_per_pos) < drafted:
             self.num_drafts_per_pos.append(0)
             self.num_accepted_tokens_per_pos.append(0)
         for i in range(drafted):
             self.num_drafts_per_pos[i] += 1
             self.num_accepted_tokens_per_pos[i] += int(i < accepted)
-        if drafted:
-            self.num_draft_tokens += drafted
-            self.num_accepted_tokens += accepted
         self.num_drafts += 1
-
-
-@dataclass(kw_only=True, slots=True)
-class _Sequence:
-    seq_id: int
-    row: int
-    params: SamplingParams
-    generator: torch.Generator
-    context: list[int]
-    num_prompt: int
-    cached: int = 0  # tokens of ``context`` in the target's cache (all but the last, once running)
-    block: DraftBlock | None = None
-    candidates: dict | None = None
-    generation: Generation = field(default_factory=Generation)
-    done: bool = False
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
 
 
 class SpeculativeEngine:
@@ -264,9 +251,13 @@ class SpeculativeEngine:
     for likely outcomes (k, c) *during* the target pass (in a worker thread: torch releases
     the GIL); a hit is used at once, a miss asks for a fresh block, and a drafter that fails
     is dropped for plain decoding — a request never fails for speed's sake.
+
+    Sequences come and go through `start` (a new one in a free cache row) and `release` (a
+    finished one leaves the drafter); which row, and when, is a `specd.scheduler.Scheduler`'s call
+    (`generate`'s own, or the serving loop's).
     """
 
-    def __init__(self, target: nn.Module, drafter=None, config: EngineConfig | None = None) -> None:
+    def __init__(self, target: nn.Module, drafter: Drafter | None = None, config: EngineConfig | None = None) -> None:
         self.target = target.eval()
         self.drafter = drafter
         self.config = config or EngineConfig()
@@ -302,32 +293,39 @@ class SpeculativeEngine:
             params = [params] * len(prompts)
         for prompt, p in zip(prompts, params):
             check_prompt(prompt, self.target.config.vocab_size, p)
-        waiting = list(range(len(prompts)))
-        running: list[_Sequence] = []
+        scheduler: Scheduler[int] = Scheduler(self.config.max_num_seqs)  # waiting: prompt indices
+        scheduler.waiting.extend(range(len(prompts)))
         results: list[Generation | None] = [None] * len(prompts)
-        free_rows = list(range(self.config.max_num_seqs))  # a heap: the lowest free row first
-        start = time.perf_counter()
-        while waiting or running:
-            while waiting and free_rows:
-                i = waiting.pop(0)
-                row = heapq.heappop(free_rows)
-                self._reset_row(row)
-                running.append(_Sequence(
-                    seq_id=i, row=row, params=params[i], generator=params[i].generator(self.device),
-                    context=list(map(int, prompts[i])), num_prompt=len(prompts[i]),
-                ))
-            self.step(running)
-            for seq in [s for s in running if s.done]:
-                running.remove(seq)
+        began = time.perf_counter()
+        while scheduler.has_work:
+            scheduler.admit(lambda i, row: self.start(i, prompts[i], params[i], row))
+            self.step(scheduler.running)
+            for seq in scheduler.finish_done():
                 results[seq.seq_id] = seq.generation
-                heapq.heappush(free_rows, seq.row)
-                self._release(seq.seq_id)
-        self.stats.seconds_total += time.perf_counter() - start
+                self.release(seq.seq_id)
+        self.stats.seconds_total += time.perf_counter() - began
         return results
+
+    def start(self, seq_id: int, prompt: Sequence[int], params: SamplingParams, row: int) -> RunningSequence:
+        """A new sequence decoding ``prompt`` in cache row ``row`` (a free row, emptied here), known
+        to the drafter as ``seq_id``. Raises what seeding the request's generator raises."""
+        generator = params.generator(self.device)
+        self._reset_row(row)
+        return RunningSequence(seq_id=seq_id, row=row, params=params, generator=generator,
+                               context=list(map(int, prompt)), num_prompt=len(prompt))
+
+    def release(self, seq_id: int) -> None:
+        """A sequence finished: the drafter forgets it (its cache row is the scheduler's to free)."""
+        if self.drafter is None:
+            return
+        try:
+            self.drafter.release(seq_id)
+        except DrafterUnavailable:
+            self._drafter_failed()
 
     # ------------------------------------------------------------------ one step
     @torch.no_grad()
-    def step(self, running: list[_Sequence]) -> None:
+    def step(self, running: list[RunningSequence]) -> None:
         """One target pass over every running sequence."""
         self.stats.num_steps += 1
         self._unpark_drafter()
@@ -352,7 +350,7 @@ class SpeculativeEngine:
                 self.fail(seq, err)
                 continue
             paths[seq.row] = list(range(len(seq.context) - seq.cached + result.num_accepted))
-            if getattr(self.drafter, "needs_target_hidden", False):
+            if self._drafter_reads_target():
                 committed = len(paths[seq.row])
                 self.drafter.observe(seq.seq_id, (seq.context[seq.cached :] + block)[:committed],
                                      self._last_hidden[seq.row, :committed])
@@ -370,15 +368,19 @@ class SpeculativeEngine:
             seq.block = None
             if candidates is not None:
                 self.stats.num_candidate_lookups += 1
-                hit = candidates[i].get(outcome)
-                if hit is not None:
+                next_block = candidates[i].get(outcome)  # drafted for this outcome during the pass
+                if next_block is not None:
                     self.stats.num_candidate_hits += 1
-                    seq.block = hit
+                    seq.block = next_block
         self.cache.commit(self._last_batch, paths[: self._last_batch.num_seqs])
         for seq in running:
             seq.cached = len(seq.context) - 1 if not seq.done else seq.cached
 
-    def _ensure_blocks(self, running: list[_Sequence]) -> None:
+    def _drafter_reads_target(self) -> bool:
+        """Whether the drafter (if any is in use) gets the target's hidden states after each pass."""
+        return self.drafter is not None and self.drafter.needs_target_hidden
+
+    def _ensure_blocks(self, running: list[RunningSequence]) -> None:
         """A fresh block for every running sequence that has none (first step, or a miss)."""
         need = [s for s in running if s.block is None]
         if self.drafter is None or not need or self.config.block_size == 0:
@@ -407,15 +409,15 @@ class SpeculativeEngine:
             return self.config.block_size
         return min(self.config.block_size, self._chosen_length + headroom)
 
-    def _verify_length(self, running: list[_Sequence]) -> int:
+    def _verify_length(self, running: list[RunningSequence]) -> int:
         longest = max((len(s.block.tokens) for s in running if s.block is not None), default=0)
         if not self.config.adaptive_block:
             return longest
         confidences = [s.block.confidence if s.block is not None else [] for s in running]
         return self.cost_model.choose_length(confidences, longest)
 
-    def _speculate_async(self, running: list[_Sequence], blocks: list[list[int]]):
-        if self._pool is None or self.drafter is None or not getattr(self.drafter, "can_speculate", False):
+    def _speculate_async(self, running: list[RunningSequence], blocks: list[list[int]]):
+        if self._pool is None or self.drafter is None or not self.drafter.can_speculate:
             return None
         requests = [
             SpeculateRequest(
@@ -440,11 +442,11 @@ class SpeculativeEngine:
             self.stats.seconds_drafter_blocking += time.perf_counter() - start
 
     @torch.no_grad()
-    def _verify_pass(self, running: list[_Sequence], blocks: list[list[int]]) -> list[Tensor]:
+    def _verify_pass(self, running: list[RunningSequence], blocks: list[list[int]]) -> list[Tensor]:
         """Target logits ``[len(block) + 1, vocab]`` per sequence (from its last committed token)."""
         # Rows past the highest busy one stay out of the pass when the cache allows it.
         rows = len(self.cache.lengths)
-        if getattr(self.cache, "supports_row_prefix", False):
+        if self.cache.supports_row_prefix:
             rows = max(s.row for s in running) + 1
         trees = [TokenTree.chain([], int(length)) for length in self.cache.lengths[:rows]]
         for seq, block in zip(running, blocks):
@@ -454,9 +456,11 @@ class SpeculativeEngine:
         with torch.inference_mode():  # no autograd bookkeeping per op: ~4% of a SmolLM2 decode step
             return self._target_logits(running, blocks, batch)
 
-    def _target_logits(self, running: list[_Sequence], blocks: list[list[int]], batch: ForwardBatch) -> list[Tensor]:
+    def _target_logits(
+        self, running: list[RunningSequence], blocks: list[list[int]], batch: ForwardBatch
+    ) -> list[Tensor]:
         """`_verify_pass`'s target pass over ``batch`` and each sequence's slice of its logits."""
-        if getattr(self.drafter, "needs_target_hidden", False):
+        if self._drafter_reads_target():
             self._last_hidden = self.target.hidden_states(batch, self.cache)  # [rows, max_new, hidden]
             logits = self.target.lm_head(self._last_hidden)
         elif self._graphs is not None:
@@ -470,14 +474,14 @@ class SpeculativeEngine:
         return out
 
     @staticmethod
-    def _target_probs(seq: _Sequence, block: list[int], logits: Tensor) -> Tensor:
+    def _target_probs(seq: RunningSequence, block: list[int], logits: Tensor) -> Tensor:
         """The request's distributions ``[len(block) + 1, vocab]`` from the target's logits there:
         its logits processors (row r as if ``block[:r]`` were output), then its sampling."""
         if seq.params.processes_logits:  # else no prompt copy per step: most requests set none
             logits = process_logits(logits, seq.params, seq.context[: seq.num_prompt], seq.generation.token_ids, block)
         return target_probs(logits, seq.params)
 
-    def _accept(self, seq: _Sequence, block: list[int], logits: Tensor) -> VerifyResult:
+    def _accept(self, seq: RunningSequence, block: list[int], logits: Tensor) -> VerifyResult:
         """Verify ``block`` against the target's ``[len(block) + 1, vocab]`` logits there, under the
         request's sampling (a plain greedy request by argmax alone: no vocabulary-wide tensors)."""
         if seq.params.greedy and not seq.params.processes_logits:
@@ -488,7 +492,7 @@ class SpeculativeEngine:
             draft_probs = seq.block.probs[: len(block)]
         return verify_block(torch.tensor(block, dtype=torch.long), draft_probs, probs, seq.generator)
 
-    def _emit(self, seq: _Sequence, tokens: list[int]) -> None:
+    def _emit(self, seq: RunningSequence, tokens: list[int]) -> None:
         """Append committed tokens to the output, stopping at a stop token or max_tokens."""
         out = seq.generation
         out.num_passes += 1
@@ -503,20 +507,12 @@ class SpeculativeEngine:
             if seq.done:
                 return
 
-    def fail(self, seq: _Sequence, err: BaseException) -> None:
+    def fail(self, seq: RunningSequence, err: BaseException) -> None:
         """End one sequence with an error of its own (its row is reset when it is reused)."""
         seq.generation.finish_reason = "error"
         seq.generation.error = f"{type(err).__name__}: {err}"
         seq.done = True
         seq.block = None
-
-    def _release(self, seq_id: int) -> None:
-        if self.drafter is None or not hasattr(self.drafter, "release"):
-            return
-        try:
-            self.drafter.release(seq_id)
-        except DrafterUnavailable:
-            self._drafter_failed()
 
     def _drafter_failed(self) -> None:
         """The drafter is unreachable: decode plain, and park it for a retry if configured."""

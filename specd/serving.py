@@ -5,7 +5,8 @@ clients and streams tokens back as they are verified. `ServingEngine` runs the e
 background thread over whatever is running (continuous batching, like vLLM's engine core): each
 step admits waiting requests into free cache rows, runs one target pass over every running
 sequence, and pushes the tokens each sequence committed to its `RequestStream`. Finished and
-cancelled sequences leave at once and free their rows for the next waiting request.
+cancelled sequences leave at once and free their rows for the next waiting request. Admission and
+rows are `specd.scheduler.Scheduler`'s, the same as `generate`'s.
 
 Streams are consumed from plain threads (`for delta in stream`) or from asyncio (`async for`); the
 loop thread hands deltas to an event loop with ``call_soon_threadsafe``, so an HTTP server does
@@ -34,21 +35,21 @@ One request must never stop the engine for the others (a probe once poisoned it 
 from __future__ import annotations
 
 import asyncio
-import heapq
 import logging
 import queue
 import random
 import threading
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Iterator, Sequence
 
 from torch import nn
 
-from specd.engine import EngineConfig, EngineStats, SpeculativeEngine, _Sequence, check_prompt
+from specd.drafters.base import Drafter
+from specd.engine import EngineConfig, EngineStats, SpeculativeEngine, check_prompt, tau
 from specd.sampling import SamplingParams
+from specd.scheduler import RunningSequence, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +76,9 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     target_passes: int
-    mean_accepted_length: float
-    """Tokens committed per target pass for this request (τ)."""
+    tokens_per_pass: float
+    """Completion tokens per target pass: this request's τ, from the tokens it output (a stop
+    token or max_tokens may cut the last pass's accepted tokens); 0.0 before its first pass."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -184,7 +186,7 @@ class ServingEngine:
     called from the loop thread, with the error, if the loop ever dies.
     """
 
-    def __init__(self, target: nn.Module, drafter=None, config: EngineConfig | None = None, *,
+    def __init__(self, target: nn.Module, drafter: Drafter | None = None, config: EngineConfig | None = None, *,
                  max_model_len: int | None = None, drafter_version: Callable[[], str] = lambda: "",
                  on_finish: Callable[[FinishedRequest], None] | None = None, max_waiting: int | None = None,
                  on_death: Callable[[BaseException], None] | None = None) -> None:
@@ -199,11 +201,9 @@ class ServingEngine:
         self._drafter_version = drafter_version
         self._on_finish = on_finish
         self._on_death = on_death
-        self._cond = threading.Condition()
-        self._waiting: deque[_Pending] = deque()
-        self._running: list[_Sequence] = []
+        self._cond = threading.Condition()  # guards the waiting queue and the stop flags (submit vs the loop)
+        self._scheduler: Scheduler[_Pending] = Scheduler(config.max_num_seqs)
         self._streams: dict[int, tuple[_Pending, int]] = {}  # seq_id -> (request, tokens sent)
-        self._free_rows = list(range(config.max_num_seqs))  # a heap: busy rows stay a short prefix
         self._stopping = False
         self._drain = True
         self.error: BaseException | None = None
@@ -219,11 +219,11 @@ class ServingEngine:
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self._scheduler.running)
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._scheduler.waiting)
 
     @property
     def alive(self) -> bool:
@@ -249,12 +249,12 @@ class ServingEngine:
                 raise EngineStopped(f"the engine stopped ({self.error!r}): send the request to another replica")
             if self._stopping:
                 raise EngineStopped("the engine is shutting down: send the request to another replica")
-            if self.max_waiting is not None and len(self._waiting) >= self.max_waiting:
+            if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
                 raise QueueFull(
-                    f"the server is at capacity ({len(self._waiting)} requests already wait for a free row): "
+                    f"the server is at capacity ({self.num_waiting} requests already wait for a free row): "
                     "retry later or on another replica"
                 )
-            self._waiting.append(_Pending(prompt=list(map(int, prompt)), params=params, stream=stream))
+            self._scheduler.add(_Pending(prompt=list(map(int, prompt)), params=params, stream=stream))
             self._cond.notify()
         return stream
 
@@ -288,18 +288,18 @@ class ServingEngine:
         try:
             while True:
                 with self._cond:
-                    while not self._waiting and not self._running and not self._stopping:
+                    while not self._scheduler.has_work and not self._stopping:
                         self._cond.wait()
-                    if self._stopping and (not self._drain or not (self._waiting or self._running)):
+                    if self._stopping and (not self._drain or not self._scheduler.has_work):
                         break
-                    self._admit()
+                    self._scheduler.admit(self._start)
                 self._drop_cancelled()
-                if not self._running:
+                if not self._scheduler.running:
                     continue
                 start = time.perf_counter()
                 try:
                     with self.target_lock:
-                        self.engine.step(self._running)
+                        self.engine.step(self._scheduler.running)
                     failures = 0
                 except Exception as err:  # the step as a whole: find which sequences fail on their own
                     progressed = self._isolate(err)
@@ -323,7 +323,7 @@ class ServingEngine:
         """Give every open stream (running and queued) its last item."""
         with self._cond:
             streams = [pending.stream for pending, _ in list(self._streams.values())]
-            streams += [pending.stream for pending in self._waiting]
+            streams += [pending.stream for pending in self._scheduler.waiting]
         for stream in streams:
             stream._put(last(stream))
 
@@ -332,9 +332,9 @@ class ServingEngine:
         fail alone end with their error; the others make one step of progress. Returns whether
         any did (if none can, the target itself is failing)."""
         logger.error("an engine step over %d sequences failed (%r): stepping each alone",
-                     len(self._running), err, exc_info=err)
+                     self.num_running, err, exc_info=err)
         progressed = False
-        for seq in list(self._running):
+        for seq in list(self._scheduler.running):
             if seq.done:
                 continue
             try:
@@ -345,36 +345,31 @@ class ServingEngine:
                 self.engine.fail(seq, alone)
         return progressed
 
-    def _admit(self) -> None:
-        while self._waiting and self._free_rows:
-            pending = self._waiting.popleft()
-            if pending.stream.cancelled.is_set():
-                pending.stream._put(Delta(request_id=pending.stream.request_id, token_ids=[], finish_reason="abort"))
-                continue
-            try:
-                generator = pending.params.generator(self.engine.device)
-            except (ValueError, RuntimeError, OverflowError) as err:  # validated at the door: a bug if so
-                logger.error("request %s cannot be seeded: %r", pending.stream.request_id, err)
-                pending.stream._put(Delta(request_id=pending.stream.request_id, token_ids=[], finish_reason="error",
-                                          error=f"{type(err).__name__}: {err}"))
-                continue
-            row = heapq.heappop(self._free_rows)
-            self.engine._reset_row(row)
-            seq_id = self._ids.getrandbits(63)
-            self._running.append(_Sequence(
-                seq_id=seq_id, row=row, params=pending.params, generator=generator,
-                context=pending.prompt, num_prompt=len(pending.prompt),
-            ))
-            self._streams[seq_id] = (pending, 0)
+    def _start(self, pending: _Pending, row: int) -> RunningSequence | None:
+        """`Scheduler.admit`'s start of a waiting request in ``row``: its sequence, or None when it
+        ends here (cancelled while it waited, or it cannot be seeded)."""
+        stream = pending.stream
+        if stream.cancelled.is_set():
+            stream._put(Delta(request_id=stream.request_id, token_ids=[], finish_reason="abort"))
+            return None
+        try:
+            seq = self.engine.start(self._ids.getrandbits(63), pending.prompt, pending.params, row)
+        except (ValueError, RuntimeError, OverflowError) as err:  # validated at the door: a bug if so
+            logger.error("request %s cannot be seeded: %r", stream.request_id, err)
+            stream._put(Delta(request_id=stream.request_id, token_ids=[], finish_reason="error",
+                              error=f"{type(err).__name__}: {err}"))
+            return None
+        self._streams[seq.seq_id] = (pending, 0)
+        return seq
 
     def _drop_cancelled(self) -> None:
-        for seq in [s for s in self._running if self._streams[s.seq_id][0].stream.cancelled.is_set()]:
+        for seq in [s for s in self._scheduler.running if self._streams[s.seq_id][0].stream.cancelled.is_set()]:
             seq.generation.finish_reason = "abort"
             seq.done = True
             self._finish(seq)
 
     def _publish(self) -> None:
-        for seq in list(self._running):
+        for seq in list(self._scheduler.running):
             pending, sent = self._streams[seq.seq_id]
             tokens = seq.generation.token_ids[sent:]
             if tokens and pending.first_token_time is None:
@@ -385,16 +380,17 @@ class ServingEngine:
                 self._streams[seq.seq_id] = (pending, sent + len(tokens))
                 pending.stream._put(Delta(request_id=pending.stream.request_id, token_ids=tokens))
 
-    def _finish(self, seq: _Sequence, tokens: list[int] | None = None) -> None:
+    def _finish(self, seq: RunningSequence, tokens: list[int] | None = None) -> None:
         pending, _ = self._streams.pop(seq.seq_id)
         stream = pending.stream
-        self._running.remove(seq)
-        heapq.heappush(self._free_rows, seq.row)
-        self.engine._release(seq.seq_id)
+        self._scheduler.finish(seq)
+        self.engine.release(seq.seq_id)
         out = seq.generation
+        # This request's τ from its output: each pass output the target's token and the drafted
+        # tokens it accepted, unless a stop cut them.
         usage = Usage(
             prompt_tokens=seq.num_prompt, completion_tokens=len(out.token_ids), target_passes=out.num_passes,
-            mean_accepted_length=len(out.token_ids) / out.num_passes if out.num_passes else 0.0,
+            tokens_per_pass=tau(len(out.token_ids) - out.num_passes, out.num_passes) if out.num_passes else 0.0,
         )
         version = self._drafter_version()
         if out.finish_reason == "error":

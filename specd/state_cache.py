@@ -94,6 +94,10 @@ class PendingStates:
 class RecurrentStateCache:
     """Conv inputs, gates and recurrent states for ``num_layers`` Gated DeltaNet layers."""
 
+    supports_row_prefix = False
+    """A batch covers every row (`prepare` checks it against every row's length), unlike
+    `specd.cache.KVCache`'s."""
+
     def __init__(
         self,
         *,
@@ -248,6 +252,9 @@ class RecurrentStateCache:
 class HybridCache:
     """KV slots for the attention layers, recurrent state for the Gated DeltaNet layers, and
     (sparse targets) the lightning indexer's keys; one set of verbs for all of them."""
+
+    supports_row_prefix = False
+    """As its recurrent part: a batch covers every row."""
 
     def __init__(
         self,

@@ -69,8 +69,7 @@ from services.common.config import ServiceConfig
 from services.common.server import open_channel
 from services.common.wire import block_from_proto, params_to_proto
 from specd._proto.v1 import drafter_pb2, drafter_pb2_grpc
-from specd.drafters.base import DraftBlock, DrafterUnavailable, DraftRequest, SpeculateRequest
-from specd.drafters.d3d import Outcome
+from specd.drafters.base import DraftBlock, Drafter, DrafterUnavailable, DraftRequest, Outcome, SpeculateRequest
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +205,7 @@ class _Sequence:
     sent: int = 0  # context tokens the replica holds, as far as we know
 
 
-class RemoteDrafters:
+class RemoteDrafters(Drafter):
     """The engine's drafter over one or many drafter replicas (see the module docstring)."""
 
     name = "d3d-remote"

@@ -88,7 +88,7 @@ class DecodeRow:
     target_passes: int
     threads: int
     verified_block: float = 0.0
-    """Mean drafted tokens verified per sequence per pass (what the cost model chose)."""
+    """Mean drafted tokens verified per sequence per pass, plain steps as 0 (what the cost model chose)."""
     speedup: float = field(default=1.0)
 
 
@@ -192,7 +192,7 @@ def _run_case(models: _Models, method: str, prompts: list[list[int]], *, tempera
         tau=stats.tau, acceptance_per_pos=stats.acceptance_per_pos, hit_rate=stats.hit_rate, tokens=tokens,
         seconds=seconds, tokens_per_second=tokens / seconds, overhead_ms_per_step=1000 * stats.overhead_per_step,
         target_passes=stats.num_target_passes, threads=threads,
-        verified_block=stats.num_draft_tokens / stats.num_drafts if stats.num_drafts else 0.0,
+        verified_block=stats.num_draft_tokens / stats.num_sequence_passes if stats.num_sequence_passes else 0.0,
     )
 
 

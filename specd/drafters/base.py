@@ -1,14 +1,20 @@
 """The drafter contract: what the engine asks a drafter for and what it gets back.
 
-A drafter sees only token ids (the committed context), never target hidden states, so the same
-contract serves an in-process drafter and one behind gRPC. Blocks come back with the drafter's
-distributions q when it sampled them (the rejection sampler needs q for losslessness) or
-``None`` when the draft is deterministic (q is one-hot at each drafted token), plus a per-position
-confidence that the engine's cost model uses to choose the next block length.
+A drafter sees only token ids (the committed context), so the same contract serves an in-process
+drafter and one behind gRPC; the one exception, a DFlash-style drafter that reads the target's
+hidden states, says so (``needs_target_hidden``) and runs in process. Blocks come back with the
+drafter's distributions q when it sampled them (the rejection sampler needs q for losslessness)
+or ``None`` when the draft is deterministic (q is one-hot at each drafted token), plus a
+per-position confidence that the engine's cost model uses to choose the next block length.
+
+`Drafter` declares everything the engine calls. Every drafter subclasses it, and so inherits an
+explicit answer for each optional capability it lacks (no speculation, no target states, nothing
+to release) instead of the engine probing for methods.
 """
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -67,22 +73,6 @@ class DraftBlock:
         return DraftBlock(tokens=[], probs=None, confidence=[])
 
 
-@runtime_checkable
-class Drafter(Protocol):
-    """Proposes blocks for a batch of requests."""
-
-    name: str
-    """Short name for metrics and logs ("ngram", "d3d", ...)."""
-    vocab_size: int
-    """Width of ``DraftBlock.probs`` rows; must equal the target's."""
-    max_block: int
-    """Largest block_size a request may ask for."""
-
-    def draft(self, requests: list[DraftRequest]) -> list[DraftBlock]:
-        """One block per request, in order."""
-        ...
-
-
 class DrafterUnavailable(RuntimeError):
     """The drafter cannot be reached; the engine falls back to plain decoding."""
 
@@ -107,3 +97,49 @@ class SpeculateRequest:
     """How many outcomes to draft a next block for."""
     params: SamplingParams
     """The request's sampling parameters."""
+
+
+Outcome = tuple[int, int]
+"""The outcome ``(k, c)`` of verifying a block: k drafted tokens accepted, then token c (the
+target's correction at position k, or its bonus token after a fully accepted block)."""
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Proposes blocks for a batch of requests: the contract between the engine and every drafter.
+
+    A drafter subclasses this class (a protocol's members with a body are inherited as defaults):
+    ``draft`` and the three attributes without a default are its own; what it does not override
+    says it lacks that capability, and the engine only calls it when the matching flag is set.
+    """
+
+    name: str
+    """Short name for metrics and logs ("ngram", "d3d", ...)."""
+    vocab_size: int
+    """Width of ``DraftBlock.probs`` rows; must equal the target's."""
+    max_block: int
+    """Largest block_size a request may ask for."""
+    can_speculate: bool = False
+    """Whether `speculate` works: the drafter needs no target state of the tokens under
+    verification, so it can draft the next blocks while the target verifies (async mode)."""
+    needs_target_hidden: bool = False
+    """Whether the drafter reads the target's final hidden states: the engine then runs the
+    target's hidden-state pass and hands it every committed token's state (`observe`)."""
+
+    @abstractmethod
+    def draft(self, requests: list[DraftRequest]) -> list[DraftBlock]:
+        """One block per request, in order."""
+
+    def speculate(self, requests: list[SpeculateRequest]) -> list[dict[Outcome, DraftBlock]]:
+        """Candidate next blocks keyed by outcome, one dict per request, in order (an outcome
+        missing from it is a miss). Called only when ``can_speculate``."""
+        raise NotImplementedError(f"the {self.name} drafter cannot draft during verification (can_speculate is False)")
+
+    def observe(self, seq_id: int, tokens: list[int], hidden: Tensor) -> None:
+        """The target's hidden states ``[len(tokens), hidden]`` of tokens it just committed after
+        the sequence's context. Called only when ``needs_target_hidden``."""
+        raise NotImplementedError(f"the {self.name} drafter reads no target states (needs_target_hidden is False)")
+
+    def release(self, seq_id: int) -> None:
+        """Forget a finished sequence (its per-sequence state, its cache row). Default: nothing
+        is kept per sequence."""

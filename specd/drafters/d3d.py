@@ -20,7 +20,6 @@ it — all in ONE pass together with the block itself.
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
 
 import torch
@@ -28,15 +27,16 @@ from torch import Tensor
 
 from specd.drafters.base import (
     DraftBlock,
+    Drafter,
     DraftRequest,
+    Outcome,
     SpeculateRequest,
     check_block_size,
 )
 from specd.models.d3d import D3DModel, DraftPass, MaskGroup, build_draft_pass
 from specd.sampling import SamplingParams, sample, target_probs
+from specd.scheduler import RowAllocator
 from specd.tree import TokenTree
-
-Outcome = tuple[int, int]  # (accepted length k, correction or bonus token c)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -63,7 +63,7 @@ def likely_outcomes(dists: Tensor, tokens: list[int], budget: int) -> list[Outco
     return [(int(i) // vocab, int(i) % vocab) for i in top]
 
 
-class D3DDrafter:
+class D3DDrafter(Drafter):
     """Drafts blocks and candidate blocks with a `D3DModel` (see the module docstring)."""
 
     name = "d3d"
@@ -80,20 +80,20 @@ class D3DDrafter:
         self.max_num_seqs = max_num_seqs
         self.cache = model.new_cache(max_num_seqs)
         self.seqs: dict[int, _Seq] = {}
-        self.free_rows = list(range(max_num_seqs))  # a heap: busy rows stay a short prefix
+        self.rows = RowAllocator(max_num_seqs)  # lowest first: `_run` covers the busy prefix only
         self.num_passes = 0
 
     # ---------------------------------------------------------------- sequences
     def release(self, seq_id: int) -> None:
         seq = self.seqs.pop(seq_id, None)
         if seq is not None:
-            heapq.heappush(self.free_rows, seq.row)
+            self.rows.free(seq.row)
 
     def _seq(self, seq_id: int, params: SamplingParams) -> _Seq:
         if seq_id not in self.seqs:
-            if not self.free_rows:
+            if not self.rows.num_free:
                 raise RuntimeError(f"the drafter holds {self.max_num_seqs} sequences; release one first")
-            row = heapq.heappop(self.free_rows)
+            row = self.rows.take()
             self._set_length(row, 0)
             self.seqs[seq_id] = _Seq(row=row, generator=params.generator(self.device))
         return self.seqs[seq_id]

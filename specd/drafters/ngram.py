@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from specd.drafters.base import DraftBlock, DraftRequest, check_block_size
+from specd.drafters.base import DraftBlock, Drafter, DraftRequest, check_block_size
 
 
 class _SeqIndex:
@@ -71,8 +71,9 @@ class _SeqIndex:
         return None
 
 
-class NgramDrafter:
-    """Prompt-lookup drafter (see the module docstring). Implements `specd.drafters.Drafter`."""
+class NgramDrafter(Drafter):
+    """Prompt-lookup drafter (see the module docstring). It has no `speculate`: whatever the
+    engine's mode, it drafts each block after the verification before it."""
 
     name = "ngram"
 

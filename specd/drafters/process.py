@@ -20,8 +20,10 @@ import torch
 
 from specd.drafters.base import (
     DraftBlock,
+    Drafter,
     DrafterUnavailable,
     DraftRequest,
+    Outcome,
     SpeculateRequest,
 )
 from specd.drafters.d3d import D3DDrafter
@@ -55,7 +57,7 @@ def _serve(directory: str, max_num_seqs: int, threads: int, connection: Connecti
             connection.send(("error", str(err)))
 
 
-class ProcessDrafter:
+class ProcessDrafter(Drafter):
     """Proxy to a D3D drafter running in a child process (see the module docstring)."""
 
     name = "d3d-process"
@@ -98,7 +100,7 @@ class ProcessDrafter:
     def draft(self, requests: list[DraftRequest]) -> list[DraftBlock]:
         return self._call("draft", requests)
 
-    def speculate(self, requests: list[SpeculateRequest]) -> list[dict]:
+    def speculate(self, requests: list[SpeculateRequest]) -> list[dict[Outcome, DraftBlock]]:
         return self._call("speculate", requests)
 
     def release(self, seq_id: int) -> None:

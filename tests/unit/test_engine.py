@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from specd.drafters.base import DraftBlock, DrafterUnavailable, DraftRequest
+from specd.drafters.base import DraftBlock, Drafter, DrafterUnavailable, DraftRequest
 from specd.drafters.d3d import D3DDrafter
 from specd.drafters.ngram import NgramDrafter
 from specd.engine import EngineConfig, SpeculativeEngine, autoregressive
@@ -93,7 +93,7 @@ def test_stop_tokens_end_like_plain_decoding(target, drafter_model):
     assert [(g.token_ids, g.finish_reason) for g in got] == [(e.token_ids, e.finish_reason) for e in expected]
 
 
-class _OracleDrafter:
+class _OracleDrafter(Drafter):
     """Knows the target's greedy continuation; drafts it with an error every few tokens and
     answers `speculate` with the true outcome's next block, except every third call (a miss)."""
 
@@ -145,7 +145,7 @@ def test_hit_needs_no_new_draft_call(target):
     assert stats.tau > 2.5  # the oracle's blocks are right up to the third token
 
 
-class _FailingDrafter:
+class _FailingDrafter(Drafter):
     name, vocab_size, max_block = "failing", VOCAB, 8
 
     def draft(self, requests):
@@ -158,6 +158,67 @@ def test_unreachable_drafter_falls_back_to_plain_decoding(target):
     expected = [g.token_ids for g in autoregressive(target, batch, params)]
     engine = SpeculativeEngine(target, _FailingDrafter(), EngineConfig(max_num_seqs=3, block_size=4))
     assert [g.token_ids for g in engine.generate(batch, params)] == expected
+
+
+class _HalfOracleDrafter(Drafter):
+    """Drafts the target's own greedy continuation for even sequence ids, nothing for odd ones."""
+
+    name, max_block = "half-oracle", 8
+
+    def __init__(self, references: list[list[int]], vocab_size: int):
+        self.references, self.vocab_size = references, vocab_size
+
+    def draft(self, requests):
+        blocks = []
+        for r in requests:
+            tokens = [] if r.seq_id % 2 else self.references[r.seq_id][len(r.context) : len(r.context) + r.block_size]
+            blocks.append(DraftBlock(tokens=tokens, probs=None, confidence=[0.9] * len(tokens)))
+        return blocks
+
+
+def test_num_drafts_counts_drafted_blocks_only_and_tau_every_sequence_pass(target):
+    """vLLM's meaning: a sequence's plain step (no drafted block) is no draft; τ still averages over
+    every sequence's every pass."""
+    batch = prompts(6)
+    params = SamplingParams(max_tokens=20)
+    expected = autoregressive(target, batch, params)
+    references = [p + e.token_ids + [0] * 8 for p, e in zip(batch, expected)]
+    engine = SpeculativeEngine(target, _HalfOracleDrafter(references, VOCAB),
+                               EngineConfig(max_num_seqs=3, block_size=4, mode="sync", adaptive_block=False))
+    got = engine.generate(batch, params)
+    assert [g.token_ids for g in got] == [e.token_ids for e in expected]
+    stats = engine.stats
+    assert stats.num_sequence_passes == sum(g.num_passes for g in got)
+    assert stats.num_drafts == sum(g.num_passes for i, g in enumerate(got) if i % 2 == 0) < stats.num_sequence_passes
+    assert stats.num_accepted_tokens == sum(sum(g.accepted_lengths) for g in got)
+    assert stats.tau == stats.num_accepted_tokens / stats.num_sequence_passes + 1
+    assert stats.tau > 1.5  # the even sequences' drafts are the target's own tokens
+    plain = SpeculativeEngine(target, None, EngineConfig(max_num_seqs=3, block_size=0))
+    plain.generate(batch, params)
+    assert (plain.stats.num_drafts, plain.stats.tau) == (0, 1.0)
+    assert plain.stats.num_sequence_passes == sum(len(e.token_ids) for e in expected)
+
+
+def test_the_drafter_contract_answers_for_what_a_drafter_lacks(drafter_model):
+    from specd.drafters.dflash import DFlashDrafter
+
+    ngram = NgramDrafter(vocab_size=VOCAB)
+    assert not ngram.can_speculate and not ngram.needs_target_hidden
+    with pytest.raises(NotImplementedError, match="can_speculate"):
+        ngram.speculate([])
+    with pytest.raises(NotImplementedError, match="needs_target_hidden"):
+        ngram.observe(0, [1], torch.zeros(1, 4))
+    ngram.release(0)  # nothing kept for an unknown sequence: no error
+    assert D3DDrafter(drafter_model).can_speculate
+    config = dataclasses.replace(D3D_FLAVOURS["debug"], target_hidden_size=FLAVOURS["debug"].hidden_size)
+    dflash = DFlashDrafter(D3DModel(config))
+    assert dflash.needs_target_hidden and not dflash.can_speculate
+
+    class NoDraft(Drafter):
+        name, vocab_size, max_block = "no-draft", VOCAB, 4
+
+    with pytest.raises(TypeError, match="abstract"):
+        NoDraft()
 
 
 def test_bad_engine_input(target, drafter_model):
@@ -207,7 +268,7 @@ def test_drafter_process_lossless_and_killed_drafter_loses_no_request(target, dr
     drafter.close()
 
 
-class _NoisyTargetDrafter:
+class _NoisyTargetDrafter(Drafter):
     """Samples blocks from q = 0.6 p + 0.4 (uniform over p's top 8), p being the target's own
     processed distribution: drafts that are often but not always accepted, with a full q."""
 

@@ -137,3 +137,18 @@ def test_a_bounded_drain_aborts_what_it_could_not_finish(target):
     engine.shutdown(drain=True, timeout=0.2)
     assert list(long)[-1].finish_reason == "abort"
     assert list(queued)[-1].finish_reason == "abort"
+
+
+def test_a_finished_request_records_its_prompt_and_its_tokens_per_pass(target):
+    """The engine's context grows with the output; the request's recorded prompt (its trace) must not."""
+    finished = []
+    engine = ServingEngine(target, drafter(2), EngineConfig(max_num_seqs=2, block_size=4), on_finish=finished.append)
+    prompt = prompts(1)[0]
+    deltas = list(engine.submit(prompt, SamplingParams(max_tokens=12)))
+    engine.shutdown()
+    (record,) = finished
+    output = [t for d in deltas for t in d.token_ids]
+    assert (record.prompt, record.output) == (prompt, output)
+    usage = deltas[-1].usage
+    assert 1 <= usage.target_passes <= 12
+    assert usage.tokens_per_pass == pytest.approx(len(output) / usage.target_passes)
