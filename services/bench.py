@@ -30,6 +30,7 @@ from tqdm import tqdm
 from services.client import metrics
 from services.load import clients_off_verifier_cores, run_level, sender
 from services.up import Stack, StackConfig, zoo_model
+from specd.engine import tau
 from specd.plan.compare import spread as round_spread
 
 
@@ -218,7 +219,6 @@ def _row(deployment: Deployment, concurrency: int, results: list, seconds: float
     ttfts = [r.ttft for r in results if r.ttft is not None]
     tpots = [(r.seconds - r.ttft) / (r.completion_tokens - 1) for r in results
              if r.ttft is not None and r.completion_tokens > 1]
-    drafts = delta("specd:spec_decode_num_drafts_total")
     lookups = delta("specd:spec_decode_num_candidate_lookups_total")
     round_trips = delta("specd:drafter_pool_events_total{event=round_trips}")
     steps = delta("specd:num_target_passes_total")
@@ -227,7 +227,7 @@ def _row(deployment: Deployment, concurrency: int, results: list, seconds: float
         seconds=seconds, tokens_per_s=tokens / seconds if seconds else 0.0,
         ttft_p50=_percentile(ttfts, 0.5), ttft_p99=_percentile(ttfts, 0.99),
         tpot_p50=_percentile(tpots, 0.5), tpot_p99=_percentile(tpots, 0.99),
-        tau=delta("specd:spec_decode_num_accepted_tokens_total") / drafts + 1 if drafts else 1.0,
+        tau=tau(delta("specd:spec_decode_num_accepted_tokens_total"), delta("specd:num_sequence_passes_total")),
         hit_rate=delta("specd:spec_decode_num_candidate_hits_total") / lookups if lookups else 0.0,
         blocking_drafter_calls=int(delta("specd:num_drafter_blocking_calls_total")),
         target_passes=int(delta("specd:num_target_passes_total")), errors=errors,

@@ -118,9 +118,9 @@ def measure_verifier_serving(target_dir: str, pool: list[list[int]], *, levels: 
             out["concurrency"].append(concurrency)
             out["requests"].append(len(results))
             out["passes"].append(int(passes))
-            # Every running row counts one draft per pass (an empty one decoding plain); plain
+            # Every running row counts one sequence pass (drafted block or plain step); plain
             # decoding commits one token per running row per pass.
-            counted = delta.get("specd:spec_decode_num_drafts_total", 0.0) if drafter_dir else 0.0
+            counted = delta.get("specd:num_sequence_passes_total", 0.0) if drafter_dir else 0.0
             out["rows"].append((counted or delta["specd:spec_decode_num_emitted_tokens_total"]) / passes)
             out["target_seconds"].append(target / passes)
             out["overhead_seconds"].append((step - target - blocking) / passes)

@@ -43,6 +43,8 @@ from pathlib import Path
 
 from services.common.config import ServiceConfig
 from services.common.server import open_channel, wait_healthy
+from specd.engine import EngineConfig, tau
+from specd.flags import default_of
 
 STABLE_SECONDS = 60.0
 """A service that ran this long before it exited was not crash-looping: its backoff starts over."""
@@ -78,8 +80,8 @@ class StackConfig:
     trainer_port: int = 50060
     host: str = "127.0.0.1"
     auth_token: str = ""
-    block_size: int = 8
-    mode: str = "async"
+    block_size: int = default_of(EngineConfig, "block_size")
+    mode: str = default_of(EngineConfig, "mode")
     max_num_seqs: int = 16
     pin: bool = False
     """Pin each process to its own core (when there are enough cores)."""
@@ -487,8 +489,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--grpc-port", type=int, default=50051, help="first verifier's gRPC port")
     parser.add_argument("--drafter-port", type=int, default=50052, help="first drafter's port")
     parser.add_argument("--trainer-port", type=int, default=50060)
-    parser.add_argument("--block-size", type=int, default=8)
-    parser.add_argument("--mode", choices=["async", "sync"], default="async")
+    parser.add_argument("--block-size", type=int, default=StackConfig.block_size,
+                        help="most drafted tokens verified per sequence per pass")
+    parser.add_argument("--mode", choices=["async", "sync"], default=StackConfig.mode)
     parser.add_argument("--auth-token", default="", help="bearer token every service requires")
     parser.add_argument("--pin", action="store_true", help="pin each service to its own core where possible")
     parser.add_argument("--workdir", default="", help="logs and trainer checkpoints (default: a temporary directory)")
@@ -616,8 +619,7 @@ def _demo(stack: Stack, token: str) -> int:
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
-    drafts = delta("specd:spec_decode_num_drafts_total")
-    tau = delta("specd:spec_decode_num_accepted_tokens_total") / drafts + 1 if drafts else 1.0
+    measured_tau = tau(delta("specd:spec_decode_num_accepted_tokens_total"), delta("specd:num_sequence_passes_total"))
     lookups = delta("specd:spec_decode_num_candidate_lookups_total")
     hit_rate = delta("specd:spec_decode_num_candidate_hits_total") / lookups if lookups else 0.0
     same = "identical" if spec.text == base.text else "DIFFERENT (a bug: greedy output must match)"
@@ -626,6 +628,6 @@ def _demo(stack: Stack, token: str) -> int:
         rate = result.completion_tokens / result.seconds if result.seconds else 0.0
         print(f"{name:<28}{result.completion_tokens:>8}{result.seconds:>10.2f}{rate:>9.1f}")
     speedup = (spec.completion_tokens / spec.seconds) / (base.completion_tokens / base.seconds) if base.seconds and spec.seconds else 0.0
-    print(f"\ntau {tau:.2f} tokens per target pass, candidate hit rate {hit_rate:.0%}, "
+    print(f"\ntau {measured_tau:.2f} tokens per sequence pass, candidate hit rate {hit_rate:.0%}, "
           f"speedup {speedup:.2f}x over plain decoding; outputs {same}")
     return 0 if spec.text == base.text else 1

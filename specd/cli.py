@@ -126,7 +126,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if drafter is None and args.drafter == "none":
         engine = SpeculativeEngine(model, None, EngineConfig(max_num_seqs=1, block_size=0))
     else:
-        mode = args.mode or ("async" if getattr(drafter, "can_speculate", False) else "sync")
+        mode = args.mode or ("async" if drafter is not None and drafter.can_speculate else "sync")
         engine = SpeculativeEngine(model, drafter, EngineConfig(max_num_seqs=1, block_size=args.block_size, mode=mode))
     (generation,) = engine.generate([prompt], params)
     engine.close()

@@ -208,7 +208,7 @@ class LockstepCache:
 
     @property
     def supports_row_prefix(self) -> bool:
-        return getattr(self.local, "supports_row_prefix", False)
+        return self.local.supports_row_prefix
 
     def commit(self, batch: ForwardBatch, paths: Sequence[Sequence[int] | None]) -> None:
         paths = [None if path is None else [int(node) for node in path] for path in paths]

@@ -178,6 +178,8 @@ class EngineCollector:
             ("spec_decode_num_candidate_lookups", stats.num_candidate_lookups, "Outcomes looked up among candidates"),
             ("spec_decode_num_candidate_hits", stats.num_candidate_hits, "Outcomes that found a ready candidate"),
             ("num_target_passes", stats.num_target_passes, "Target passes"),
+            ("num_sequence_passes", stats.num_sequence_passes,
+             "Sequences verified, summed over target passes (plain rows included: tau's denominator)"),
             ("num_drafter_calls", stats.num_drafter_calls, "Calls to the drafter"),
             ("num_drafter_blocking_calls", stats.num_drafter_blocking_calls,
              "Drafter round trips the target pass waited for (the critical path)"),
@@ -195,7 +197,8 @@ class EngineCollector:
             per_pos.add_metric([str(position)], value)
         yield per_pos
         yield GaugeMetricFamily("specd:spec_decode_candidate_hit_rate", "Candidate hit rate", value=stats.hit_rate)
-        yield GaugeMetricFamily("specd:spec_decode_mean_acceptance_length", "Tau: tokens per target pass", value=stats.tau)
+        yield GaugeMetricFamily("specd:spec_decode_mean_acceptance_length", "Tau: tokens committed per sequence per target pass",
+                                value=stats.tau)
         yield GaugeMetricFamily("specd:num_requests_running", "Requests decoding", value=self.engine.num_running)
         yield GaugeMetricFamily("specd:num_requests_waiting", "Requests queued", value=self.engine.num_waiting)
         if self.drafters is not None:
