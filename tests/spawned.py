@@ -27,15 +27,15 @@ def _run_and_exit(rank: int, fn: Callable, *args) -> None:
     os._exit(0)
 
 
-def run_spawned(fn: Callable, args: tuple, nprocs: int, timeout_s: float, what: str) -> float:
+def run_spawned(fn: Callable, args: tuple, nprocs: int, timeout_seconds: float, what: str) -> float:
     """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes; seconds taken. A process that
-    fails re-raises here; past ``timeout_s`` a TimeoutError names ``what``. Survivors are killed."""
+    fails re-raises here; past ``timeout_seconds`` a TimeoutError names ``what``. Survivors are killed."""
     start = time.monotonic()
     context = mp.start_processes(_run_and_exit, args=(fn, *args), nprocs=nprocs, join=False, start_method="spawn")
     try:
-        while not context.join(timeout=max(1.0, timeout_s - (time.monotonic() - start))):
-            if time.monotonic() - start > timeout_s:
-                raise TimeoutError(f"{what} did not finish in {timeout_s} s")
+        while not context.join(timeout=max(1.0, timeout_seconds - (time.monotonic() - start))):
+            if time.monotonic() - start > timeout_seconds:
+                raise TimeoutError(f"{what} did not finish in {timeout_seconds} s")
     finally:
         for process in context.processes:
             if process.is_alive():

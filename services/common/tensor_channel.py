@@ -32,7 +32,7 @@ Design choices:
   (with NCCL the first send waits for the trainer's first receive, which comes after the answer);
   the trainer receives them after the answer arrived. Gloo messages carry the sequence as their tag,
   so a stale send can never fill a later call's buffers; the answer echoes the sequence too.
-- **Failures drop the channel, never the step.** Any wait is bounded by ``timeout_s`` (store,
+- **Failures drop the channel, never the step.** Any wait is bounded by ``timeout_seconds`` (store,
   group setup, each transfer). A trainer whose receive fails (timeout, the peer gone) aborts its
   group, closes its store and asks again over plain gRPC; its next call opens a new channel. A
   verifier whose send fails drops its side; channels a trainer abandoned without a failure (it
@@ -70,8 +70,8 @@ from specd._proto.v1 import verifier_pb2
 
 logger = logging.getLogger(__name__)
 
-MAX_TIMEOUT_S = 600.0
-"""The longest ``timeout_s`` a verifier accepts: a bound on what one bad caller can hold up."""
+MAX_TIMEOUT_SECONDS = 600.0
+"""The longest ``timeout_seconds`` a verifier accepts: a bound on what one bad caller can hold up."""
 _CHANNEL_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 _JOINED_KEY = "joined"
 _GROUP_PREFIX = "group"
@@ -91,8 +91,8 @@ def check_channel(message: verifier_pb2.TensorChannel) -> str | None:
         return f"channel_id {message.channel_id!r:.80} must be 1-128 characters of [A-Za-z0-9_.-]"
     if message.backend not in BACKENDS:
         return f"channel backend {message.backend!r:.40} is not one of {BACKENDS}"
-    if not (math.isfinite(message.timeout_s) and 0.0 < message.timeout_s <= MAX_TIMEOUT_S):
-        return f"channel timeout_s must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {message.timeout_s}"
+    if not (math.isfinite(message.timeout_seconds) and 0.0 < message.timeout_seconds <= MAX_TIMEOUT_SECONDS):
+        return f"channel timeout_seconds must be in (0, {MAX_TIMEOUT_SECONDS:g}] seconds, got {message.timeout_seconds}"
     if message.sequence < 1:
         return "channel sequence must start at 1 and increase with every call"
     return None
@@ -119,8 +119,8 @@ class TrainerChannel:
     """
 
     def __init__(self, host: str, *, timeout: float, device: str | torch.device = "cpu") -> None:
-        if not 0.0 < timeout <= MAX_TIMEOUT_S:
-            raise ValueError(f"a channel timeout must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {timeout}")
+        if not 0.0 < timeout <= MAX_TIMEOUT_SECONDS:
+            raise ValueError(f"a channel timeout must be in (0, {MAX_TIMEOUT_SECONDS:g}] seconds, got {timeout}")
         self.host = host
         self.timeout = timeout
         self.backend = backend_for(device)
@@ -140,7 +140,7 @@ class TrainerChannel:
         """The channel message of the next call, with its sequence number."""
         self._sequence += 1
         return verifier_pb2.TensorChannel(master_addr=self.host, master_port=self.port, channel_id=self.channel_id,
-                                          backend=self.backend, timeout_s=self.timeout, sequence=self._sequence)
+                                          backend=self.backend, timeout_seconds=self.timeout, sequence=self._sequence)
 
     def receive(self, shapes: Sequence[Sequence[int]], dtype: torch.dtype, sequence: int) -> list[Tensor]:
         """The tensors of call ``sequence`` from rank 1, in order, on this channel's device.
@@ -182,7 +182,7 @@ class VerifierChannel:
         self.channel_id = message.channel_id
         self.master = (message.master_addr, message.master_port)
         self.backend = message.backend
-        self.timeout = float(message.timeout_s)
+        self.timeout = float(message.timeout_seconds)
         self.device = transfer_device(self.backend, device)
         self.lock = threading.Lock()
         """One call at a time: held from `begin` until the call's tensors are queued (`send`)."""

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from services.common.config import ServiceConfig
 from services.common.server import MAX_MESSAGE_BYTES, open_channel
-from services.common.tensor_channel import MAX_TIMEOUT_S, ChannelError, TrainerChannel
+from services.common.tensor_channel import MAX_TIMEOUT_SECONDS, ChannelError, TrainerChannel
 from services.common.wire import tensor_from_proto, tree_to_proto
 from specd._proto.v1 import verifier_pb2, verifier_pb2_grpc
 from specd.tree import TokenTree
@@ -41,7 +41,7 @@ from specd.tree import TokenTree
 logger = logging.getLogger(__name__)
 
 TRANSPORTS = ("grpc", "tensor")
-MAX_CHANNEL_BACKOFF_S = 60.0
+MAX_CHANNEL_BACKOFF_SECONDS = 60.0
 
 
 class ScoreError(RuntimeError):
@@ -110,8 +110,8 @@ class RemoteScorer:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if transport == "tensor" and top_k:
             raise ValueError("the tensor transport carries full distributions only: use top_k=0, or transport='grpc' for top-k")
-        if not 0 < channel_timeout <= MAX_TIMEOUT_S:
-            raise ValueError(f"channel_timeout must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {channel_timeout}")
+        if not 0 < channel_timeout <= MAX_TIMEOUT_SECONDS:
+            raise ValueError(f"channel_timeout must be in (0, {MAX_TIMEOUT_SECONDS:g}] seconds, got {channel_timeout}")
         self.addresses = list(addresses)
         self.top_k = top_k
         self.vocab_size = vocab_size
@@ -263,7 +263,7 @@ class RemoteScorer:
         link = self._links[index]
         link.failures += 1
         # 0 s after one failure (a restarted verifier), then 1, 3, 7, ... s: one that cannot take part.
-        pause = min(MAX_CHANNEL_BACKOFF_S, 2.0 ** (link.failures - 1) - 1)
+        pause = min(MAX_CHANNEL_BACKOFF_SECONDS, 2.0 ** (link.failures - 1) - 1)
         link.retry_at = time.monotonic() + pause
         if pause:
             logger.warning("no Score channel to verifier %s for %.0fs after %d failures in a row (last: %s)",

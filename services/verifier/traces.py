@@ -47,10 +47,11 @@ class TraceWriter:
     """Writes finished requests to a Redis stream from a background thread (module docstring)."""
 
     def __init__(self, redis_url: str, stream: str = "specd:traces", *, maxlen: int = 100_000,
-                 queue_size: int = 10_000, timeout_s: float = 1.0) -> None:
+                 queue_size: int = 10_000, timeout_seconds: float = 1.0) -> None:
         self.stream = stream
         self.maxlen = maxlen
-        self.client = redis.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.client = redis.Redis.from_url(redis_url, socket_timeout=timeout_seconds,
+                                           socket_connect_timeout=timeout_seconds)
         self.written = 0
         self.dropped = 0
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)

@@ -243,13 +243,13 @@ def check_graphs(device: torch.device, settings: GpuSettings) -> dict:
 
         with torch.no_grad():
             difference = float((graphed().float() - eager().float()).abs().max())
-            eager_s = _median_seconds(eager, device, settings.repeats)
-            graph_s = _median_seconds(graphed, device, settings.repeats)
+            eager_seconds = _median_seconds(eager, device, settings.repeats)
+            graph_seconds = _median_seconds(graphed, device, settings.repeats)
         if difference > (1e-4 if settings.dtype == torch.float32 else 5e-2):
             raise AssertionError(f"graph replay differs from the eager pass by {difference:.3g} at batch {batch}")
-        out[f"batch_{batch}"] = {"max_diff": difference, "eager_ms": 1e3 * eager_s, "graph_ms": 1e3 * graph_s,
-                                 "speedup": eager_s / graph_s, "replays": runner.num_replays,
-                                 "captured": runner.eager_static is False}
+        out[f"batch_{batch}"] = {"max_diff": difference, "eager_ms": 1e3 * eager_seconds,
+                                 "graph_ms": 1e3 * graph_seconds, "speedup": eager_seconds / graph_seconds,
+                                 "replays": runner.num_replays, "captured": runner.eager_static is False}
     return out
 
 

@@ -52,7 +52,7 @@ RUNS = (
 class OPDBenchSettings:
     target: str = "qwen3-tiny"
     drafter: str = "d3d-qwen3-tiny"
-    budget_s: float = 300.0
+    budget_seconds: float = 300.0
     """Training wall-clock seconds per run of (b) and (c)."""
     eval_points: int = 4
     """τ measurements along each run (evenly in training time), besides the starting drafter's."""
@@ -77,7 +77,7 @@ class OPDBenchSettings:
     @staticmethod
     def quick() -> "OPDBenchSettings":
         # About 5 minutes on 2 cores: 6 runs of 40 s, short evaluations, a smaller (a).
-        return OPDBenchSettings(budget_s=40.0, eval_points=2, prompts_per_domain=2, max_tokens=32,
+        return OPDBenchSettings(budget_seconds=40.0, eval_points=2, prompts_per_domain=2, max_tokens=32,
                                 throughput_tokens=1024)
 
 
@@ -144,12 +144,12 @@ def measure_throughput(target: nn.Module, start: D3DModel, trajectories: list[Tr
 def train_for_budget(target: nn.Module, start: D3DModel, trajectories: list[Trajectory],
                      prompts: dict[str, list[list[int]]], name: str, method: str, loss: str, branches: int,
                      settings: OPDBenchSettings, start_tau: dict[str, float]) -> TrainRow:
-    """Train a fresh copy of ``start`` for ``budget_s`` training seconds, measuring τ along the way."""
+    """Train a fresh copy of ``start`` for ``budget_seconds`` training seconds, measuring τ along the way."""
     drafter = copy.deepcopy(start)
     trainer = make_trainer(method, target, drafter, _config(settings, target, loss, branches))
     data = ListSource(trajectories)
     curve = [(0.0, mean_tau(start_tau))]
-    marks = [settings.budget_s * (i + 1) / settings.eval_points for i in range(settings.eval_points)]
+    marks = [settings.budget_seconds * (i + 1) / settings.eval_points for i in range(settings.eval_points)]
     seconds, tau = 0.0, dict(start_tau)
     while marks:
         begin = time.perf_counter()
@@ -178,7 +178,7 @@ def run_bench(settings: OPDBenchSettings, target: nn.Module, start: D3DModel, tr
         start_tau = heldout_tau(target, start, prompts, block_size=settings.block_size, max_tokens=settings.max_tokens)
         runs = []
         for name, method, loss in RUNS:
-            log(f"(b) {name}: {settings.budget_s:.0f} s")
+            log(f"(b) {name}: {settings.budget_seconds:.0f} s")
             runs.append(train_for_budget(target, start, trajectories, prompts, name, method, loss,
                                          settings.branches_per_anchor, settings, start_tau))
         ablation = []
@@ -186,7 +186,7 @@ def run_bench(settings: OPDBenchSettings, target: nn.Module, start: D3DModel, tr
             if branches == settings.branches_per_anchor:
                 ablation.append(replace(runs[0], name=f"specopd-k{branches}"))
                 continue
-            log(f"(c) specopd K={branches}: {settings.budget_s:.0f} s")
+            log(f"(c) specopd K={branches}: {settings.budget_seconds:.0f} s")
             ablation.append(train_for_budget(target, start, trajectories, prompts, f"specopd-k{branches}", "specopd",
                                              "e2e-tv", branches, settings, start_tau))
     finally:
@@ -297,6 +297,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     settings = OPDBenchSettings.quick() if args.quick else OPDBenchSettings()
     if args.budget:
-        settings.budget_s = args.budget
+        settings.budget_seconds = args.budget
     main(settings, Path(args.out), Path(args.json) if args.json else None)
     return 0

@@ -356,8 +356,8 @@ def measure_profile(target: nn.Module, drafter_model: nn.Module, prompts: list[l
     by_block[settings.block_size] = Acceptance(**{k: main_run[k] for k in ("acceptance_per_pos", "hit_rate", "tau")})
     # Engine overhead per step = step_seconds + seq_seconds * running sequences (a line through the runs).
     batches = [run["batch"] for run in runs]
-    step_s, seq_s = _line(batches, [run["overhead_per_step"] for run in runs])
-    plain_step_s, plain_seq_s = _line(batches, plain)
+    step_seconds, seq_seconds = _line(batches, [run["overhead_per_step"] for run in runs])
+    plain_step_seconds, plain_seq_seconds = _line(batches, plain)
     return Profile(
         version=SCHEMA_VERSION,
         machine={"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
@@ -379,8 +379,8 @@ def measure_profile(target: nn.Module, drafter_model: nn.Module, prompts: list[l
         candidate_budget=4,
         by_block=dict(sorted(by_block.items())),
         rpc_seconds=settings.rpc_seconds,
-        overhead=Overhead(step_seconds=step_s, seq_seconds=seq_s, plain_step_seconds=plain_step_s,
-                          plain_seq_seconds=plain_seq_s),
+        overhead=Overhead(step_seconds=step_seconds, seq_seconds=seq_seconds, plain_step_seconds=plain_step_seconds,
+                          plain_seq_seconds=plain_seq_seconds),
         padded_rows=True,
         workload=ObservedWorkload(prompt_tokens=[len(p) for p in prompts], output_tokens=main_run["output_tokens"],
                                   max_tokens=settings.max_tokens),

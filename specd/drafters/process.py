@@ -63,7 +63,8 @@ class ProcessDrafter(Drafter):
     name = "d3d-process"
     can_speculate = True
 
-    def __init__(self, directory: str, *, max_num_seqs: int = 16, threads: int = 1, timeout_s: float = 60.0) -> None:
+    def __init__(self, directory: str, *, max_num_seqs: int = 16, threads: int = 1,
+                 timeout_seconds: float = 60.0) -> None:
         context = mp.get_context("spawn")  # a fresh interpreter: no inherited thread pools
         self._connection, child = context.Pipe()
         self._process = context.Process(
@@ -71,15 +72,15 @@ class ProcessDrafter(Drafter):
         )
         self._process.start()
         child.close()
-        self.timeout_s = timeout_s
+        self.timeout_seconds = timeout_seconds
         status, info = self._receive()
         if status != "ready":
             raise DrafterUnavailable(f"drafter process failed to start: {info}")
         self.vocab_size, self.max_block = info["vocab_size"], info["max_block"]
 
     def _receive(self):
-        if not self._connection.poll(self.timeout_s):
-            raise DrafterUnavailable(f"drafter process gave no answer in {self.timeout_s} s")
+        if not self._connection.poll(self.timeout_seconds):
+            raise DrafterUnavailable(f"drafter process gave no answer in {self.timeout_seconds} s")
         try:
             return self._connection.recv()
         except (EOFError, ConnectionResetError) as err:

@@ -17,7 +17,7 @@ Tensor parallelism. A verifier of N ranks is one replica on N GPUs (``--tensor-p
 also replaces the older ``--gpus-per-verifier``: a replica's GPUs are its ranks). The profile's
 target table is one GPU's; an N-rank pass costs the table times the profile's measured
 ``tensor_parallel.N.pass_scale`` when it has one, else the table / N (weights and work split
-evenly) plus ``tp_allreduce_s`` per pass: Megatron-style layers all-reduce twice each (after
+evenly) plus ``tp_allreduce_seconds`` per pass: Megatron-style layers all-reduce twice each (after
 attention and after the MLP), and a small all-reduce over NVLink takes ~10 us, so the default
 720 us is a 36-layer (Qwen3-8B-class) target's 72 all-reduces. That is latency only: an
 all-reduce's bytes grow with rows x tokens x hidden size, which the assumption leaves out, so
@@ -47,7 +47,7 @@ from specd.plan.compare import compare_serve, format_compare, write_compare
 from specd.plan.profile import Profile, load_profile
 from specd.plan.sim import Lengths, SimConfig, SimResult, TraceRequest, Workload, load_trace, simulate
 
-DEFAULT_TP_ALLREDUCE_S = 36 * 2 * 10e-6
+DEFAULT_TP_ALLREDUCE_SECONDS = 36 * 2 * 10e-6
 """Assumed all-reduce time per tensor-parallel pass: 36 layers x 2 all-reduces x 10 us (NVLink)."""
 DEFAULT_RATIOS = ("1:8", "1:6", "1:4", "1:3", "1:2", "2:3", "1:1", "3:2", "2:1", "3:1")
 """Drafters:verifiers tried when the budget holds more than `ENUMERATE_UP_TO` verifiers."""
@@ -72,7 +72,7 @@ class PlanSettings:
     """The whole budget, the trainer's GPUs included."""
     tensor_parallel: int = 1
     """Ranks, and so GPUs, per verifier replica (the chart's ``verifier.tensorParallel``)."""
-    tp_allreduce_s: float = DEFAULT_TP_ALLREDUCE_S
+    tp_allreduce_seconds: float = DEFAULT_TP_ALLREDUCE_SECONDS
     """Per-pass all-reduce seconds of a tensor-parallel pass when the profile has no measured scale."""
     trainer_gpus: int = 0
     """GPUs of the data-parallel trainer (``trainer.dataParallel``), off the budget; 0 = none counted."""
@@ -118,17 +118,17 @@ class PlanSettings:
             raise ValueError("--gpus-per-drafter must be >= 1")
         if self.trainer_gpus < 0:
             raise ValueError(f"--trainer-gpus must be >= 0, got {self.trainer_gpus}")
-        if self.tp_allreduce_s < 0:
-            raise ValueError(f"--tp-allreduce-us must be >= 0, got {self.tp_allreduce_s * 1e6:g}")
+        if self.tp_allreduce_seconds < 0:
+            raise ValueError(f"--tp-allreduce-us must be >= 0, got {self.tp_allreduce_seconds * 1e6:g}")
         if self.serving_gpus < tp:
             trainer = f" after the trainer's {self.trainer_gpus}" if self.trainer_gpus else ""
             raise ValueError(f"--gpus {self.gpus} cannot hold one verifier replica ({tp} GPUs at --tensor-parallel "
                              f"{tp}){trainer}: raise --gpus, lower --tensor-parallel"
                              + (" or --trainer-gpus" if self.trainer_gpus else ""))
-        timed = self.trace is not None and all(t.arrival_s is not None for t in self.trace)
+        timed = self.trace is not None and all(t.arrival_seconds is not None for t in self.trace)
         if sum((self.concurrency > 0, self.rate > 0, timed)) != 1:
             raise ValueError("give the load as exactly one of --concurrency C (closed loop), --rate R (requests/s), "
-                             "or --trace FILE with arrival_s on every line")
+                             "or --trace FILE with arrival_seconds on every line")
         if not self.block_sizes or min(self.block_sizes) < 1:
             raise ValueError(f"--block-sizes must be positive integers, got {self.block_sizes}")
         if self.tpot_slo < 0:
@@ -218,7 +218,7 @@ class Plan:
     """What the figures assume beyond the profile (printed above the table)."""
 
 
-def tensor_parallel_profile(profile: Profile, ranks: int, allreduce_s: float) -> tuple[Profile, str]:
+def tensor_parallel_profile(profile: Profile, ranks: int, allreduce_seconds: float) -> tuple[Profile, str]:
     """``profile`` with the target pass of a verifier of ``ranks`` GPUs, and how it was scaled.
 
     The measured ``tensor_parallel[ranks]`` pass scale when the profile has one; else the ideal
@@ -231,8 +231,8 @@ def tensor_parallel_profile(profile: Profile, ranks: int, allreduce_s: float) ->
         seconds = [[s * scale for s in row] for row in table.seconds]
         how = f"target pass x {scale:g} (the profile's measured pass_scale)"
     else:
-        seconds = [[s / ranks + allreduce_s for s in row] for row in table.seconds]
-        how = (f"target pass = one GPU's / {ranks} + {allreduce_s * 1e6:.0f} us of all-reduces (assumed: an even "
+        seconds = [[s / ranks + allreduce_seconds for s in row] for row in table.seconds]
+        how = (f"target pass = one GPU's / {ranks} + {allreduce_seconds * 1e6:.0f} us of all-reduces (assumed: an even "
                f"split, latency-bound all-reduces; no measured tensor_parallel.{ranks}.pass_scale in the profile)")
     target = table.with_seconds(seconds)
     return (profile.model_copy(update={"target": target}),
@@ -249,7 +249,7 @@ def _config(settings: PlanSettings, split: Split, block: int, mode: str) -> SimC
 def plan(profile: Profile, settings: PlanSettings, *, levels: tuple[float, ...] = (), progress: bool = True) -> Plan:
     """Simulate every candidate; the best by tokens/s (under the SLO when one is set)."""
     settings.validate()
-    profile, tp_note = tensor_parallel_profile(profile, settings.tensor_parallel, settings.tp_allreduce_s)
+    profile, tp_note = tensor_parallel_profile(profile, settings.tensor_parallel, settings.tp_allreduce_seconds)
     notes = [tp_note] if tp_note else []
     if settings.trainer_gpus:
         notes.append(f"trainer: {settings.trainer_gpus} GPUs (data parallel) off the {settings.gpus}, "
@@ -439,15 +439,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GPU budget: verifier and drafter replicas together (and the trainer's --trainer-gpus)")
     load = parser.add_mutually_exclusive_group()
     add_flags(load, PlanSettings, ("concurrency", "rate"), help=_HELP)
-    parser.add_argument("--trace", default="", help="JSONL of requests (arrival_s, prompt/output lengths or ids): its "
-                        "arrivals are the load; without arrival_s, its lengths replayed by --concurrency or --rate")
+    parser.add_argument("--trace", default="", help="JSONL of requests (arrival_seconds, prompt/output lengths or "
+                        "ids): its arrivals are the load; without arrival_seconds, its lengths replayed by "
+                        "--concurrency or --rate")
     add_flags(parser, PlanSettings, ("block_sizes", "ratios"), help=_HELP)
     parser.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                         help="ranks (GPUs) per verifier replica, a power of two (default 1); passes scale by the "
                         "profile's tensor_parallel.N.pass_scale, else 1/N + --tp-allreduce-us")
     parser.add_argument("--gpus-per-verifier", type=int, default=None, metavar="N",
                         help="the older name of --tensor-parallel: a verifier's GPUs are its ranks")
-    parser.add_argument("--tp-allreduce-us", type=float, default=default_of(PlanSettings, "tp_allreduce_s") * 1e6,
+    parser.add_argument("--tp-allreduce-us", type=float, default=default_of(PlanSettings, "tp_allreduce_seconds") * 1e6,
                         help="all-reduce microseconds per tensor-parallel pass, without a measured pass_scale "
                         "(default: 36 layers x 2 all-reduces x 10 us on NVLink)")
     add_flags(parser, PlanSettings, ("trainer_gpus", "gpus_per_drafter", "mode", "max_num_seqs", "prompt_tokens",
@@ -488,7 +489,8 @@ def run(args: argparse.Namespace) -> int:
     # The flags named like PlanSettings fields come across as they are (`from_flags`); these are
     # the ones whose flag says it another way.
     settings = from_flags(
-        PlanSettings, args, tensor_parallel=given.pop() if given else 1, tp_allreduce_s=args.tp_allreduce_us / 1e6,
+        PlanSettings, args, tensor_parallel=given.pop() if given else 1,
+        tp_allreduce_seconds=args.tp_allreduce_us / 1e6,
         ratios=tuple(r for r in args.ratios if r),
         adaptive_block=not args.fixed_block,
         padded_rows={"profile": None, "padded": True, "running": False}[args.rows],

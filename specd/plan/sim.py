@@ -187,7 +187,7 @@ class Lengths:
 
 @dataclass(kw_only=True, slots=True)
 class TraceRequest:
-    arrival_s: float | None
+    arrival_seconds: float | None
     prompt_tokens: int
     output_tokens: int
     prompt: int | None = None
@@ -199,14 +199,15 @@ def replayed(trace: list[list[int | None]]) -> list[TraceRequest]:
     """A measured run's requests, in the order it sent them — ``[prompt tokens, output tokens]``
     or ``[prompt tokens, output tokens, prompt index]`` each (`specd bench serve`'s rows and the
     profile's calibration levels) — as a closed loop replays them."""
-    return [TraceRequest(arrival_s=None, prompt_tokens=int(entry[0]), output_tokens=max(int(entry[1]), 1),
+    return [TraceRequest(arrival_seconds=None, prompt_tokens=int(entry[0]), output_tokens=max(int(entry[1]), 1),
                          prompt=int(entry[2]) if len(entry) > 2 and entry[2] is not None else None)
             for entry in trace]
 
 
 def load_trace(path: str | Path) -> list[TraceRequest]:
-    """JSONL, one request a line: ``arrival_s`` (optional) and either ``prompt_tokens`` /
-    ``output_tokens`` counts or ``prompt_ids`` / ``output_ids`` lists (specd's trace records)."""
+    """JSONL, one request a line: ``arrival_seconds`` (optional) and either ``prompt_tokens`` /
+    ``output_tokens`` counts or ``prompt_ids`` / ``output_ids`` lists (specd's trace records).
+    Older traces name the arrival ``arrival_s``; it is read too."""
     requests = []
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
@@ -215,12 +216,12 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
             item = json.loads(line)
             prompt = item["prompt_tokens"] if "prompt_tokens" in item else len(item["prompt_ids"])
             output = item["output_tokens"] if "output_tokens" in item else len(item["output_ids"])
-            arrival = item.get("arrival_s")
-            requests.append(TraceRequest(arrival_s=None if arrival is None else float(arrival),
+            arrival = item.get("arrival_seconds", item.get("arrival_s"))
+            requests.append(TraceRequest(arrival_seconds=None if arrival is None else float(arrival),
                                          prompt_tokens=int(prompt), output_tokens=int(output)))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
             raise ValueError(f"{path}:{number}: a trace line needs prompt_tokens|prompt_ids and "
-                             f"output_tokens|output_ids (and optionally arrival_s): {err!r}") from None
+                             f"output_tokens|output_ids (and optionally arrival_seconds): {err!r}") from None
         if requests[-1].prompt_tokens < 1 or requests[-1].output_tokens < 1:
             raise ValueError(f"{path}:{number}: prompt and output need at least one token")
     if not requests:
@@ -241,10 +242,10 @@ class Workload:
     output_tokens: Lengths = field(default_factory=lambda: Lengths.parse(64))
 
     def __post_init__(self) -> None:
-        timed = self.trace is not None and all(t.arrival_s is not None for t in self.trace)
+        timed = self.trace is not None and all(t.arrival_seconds is not None for t in self.trace)
         if sum((self.concurrency > 0, self.rate > 0, timed)) != 1:
             raise ValueError("give exactly one of: concurrency (closed loop), rate (Poisson arrivals), "
-                             "or a trace with arrival_s on every line")
+                             "or a trace with arrival_seconds on every line")
         if self.concurrency < 0 or self.rate < 0 or self.requests < 1:
             raise ValueError("concurrency and rate must be >= 0 and requests >= 1")
 
@@ -385,7 +386,7 @@ class Simulation:
     def _requests(self) -> list[tuple[float | None, int, int, int | None]]:
         w = self.workload
         if w.trace is not None:
-            return [(t.arrival_s, t.prompt_tokens, t.output_tokens, t.prompt) for t in w.trace]
+            return [(t.arrival_seconds, t.prompt_tokens, t.output_tokens, t.prompt) for t in w.trace]
         prompts = w.prompt_tokens.sample(self.rng, w.requests)
         outputs = w.output_tokens.sample(self.rng, w.requests)
         return [(None, int(p), int(o), None) for p, o in zip(prompts, outputs)]

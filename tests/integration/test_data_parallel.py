@@ -36,7 +36,7 @@ from specd.train.data_parallel import DataParallelSpecOPD
 
 VOCAB = 256
 STEPS, STEPS_AT_2, BATCH = 6, 4, 4
-TIMEOUT_S = 150
+TIMEOUT_SECONDS = 150
 
 
 def free_port() -> int:
@@ -121,7 +121,8 @@ def worker(rank: int, world_size: int, port: int, job: str, root: Path) -> None:
 
 
 def run_ranks(world_size: int, job: str, root: Path) -> float:
-    return run_spawned(worker, (world_size, free_port(), job, root), world_size, TIMEOUT_S, f"{job} at {world_size} ranks")
+    return run_spawned(worker, (world_size, free_port(), job, root), world_size, TIMEOUT_SECONDS,
+                       f"{job} at {world_size} ranks")
 
 
 # ---------------------------------------------------------------------------- the properties

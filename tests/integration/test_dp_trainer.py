@@ -56,7 +56,7 @@ VOCAB = FLAVOURS["debug"].vocab_size
 HELDOUT_EVERY, BATCH, STEPS_PER_VERSION = 4, 4, 2
 NUM_HELDOUT, NUM_BEFORE, NUM_AFTER = 4, 13, 3  # training traces before and after the restart
 STEPS_BEFORE, STEPS = 3, 4
-TIMEOUT_S = 120
+TIMEOUT_SECONDS = 120
 REPO = Path(__file__).resolve().parents[2]
 # As in test_data_parallel: the float noise of another packing (1 vs 2 ranks) moves Adam's step on
 # rarely seen weights by ~1e-6; a wrong gradient, row or item moves weights by ~lr.
@@ -120,7 +120,7 @@ def one_rank(rank: int, argv: list[str]) -> None:
     torch.set_num_threads(1)
     ranks = init_distributed("cpu")  # no WORLD_SIZE: a group of one on a HashStore
     service = TrainerService(parse_config(TrainerConfig, argv, env={}), leader=Leader(ranks))
-    deadline = time.monotonic() + TIMEOUT_S
+    deadline = time.monotonic() + TIMEOUT_SECONDS
     while service.learner.num_steps < STEPS or service.learner.counters.traces_consumed < NUM_HELDOUT + NUM_BEFORE + NUM_AFTER:
         assert time.monotonic() < deadline, "the 1-rank service did not get there"
         service.poll(block_ms=20)
@@ -130,7 +130,7 @@ def one_rank(rank: int, argv: list[str]) -> None:
 
 def run_one_rank(redis_url: str, models: Path, directory: Path) -> None:
     argv = [*flags(models, directory), f"--redis-url={redis_url}"]
-    run_spawned(one_rank, (argv,), 1, TIMEOUT_S, "the 1-rank service")
+    run_spawned(one_rank, (argv,), 1, TIMEOUT_SECONDS, "the 1-rank service")
 
 
 # ---------------------------------------------------------------------------- the 2-rank run
@@ -154,8 +154,8 @@ class TwoRanks:
     def wait_for(self, done) -> trainer_pb2.StatusResponse:
         """Poll Status until ``done(status)``."""
         address = f"127.0.0.1:{self.port}"
-        deadline = time.monotonic() + TIMEOUT_S
-        wait_healthy(address, ServiceConfig(), timeout=TIMEOUT_S, service=SERVICE_NAME)
+        deadline = time.monotonic() + TIMEOUT_SECONDS
+        wait_healthy(address, ServiceConfig(), timeout=TIMEOUT_SECONDS, service=SERVICE_NAME)
         with open_channel(address, ServiceConfig()) as channel:
             stub = trainer_pb2_grpc.TrainerStub(channel)
             while not done(status := stub.Status(trainer_pb2.StatusRequest())):

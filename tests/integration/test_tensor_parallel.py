@@ -38,7 +38,7 @@ from specd.tree import TokenTree
 
 KINDS = ("qwen3", "qwen3_next", "sparse")
 WORLD_SIZE = 2
-TIMEOUT_S = 120
+TIMEOUT_SECONDS = 120
 TOLERANCE = 1e-5
 PROMPTS = [[(37 * i + 11 * b + 5) % 500 for i in range(n)] for b, n in enumerate((6, 11, 3))]
 
@@ -149,7 +149,7 @@ def worker(rank: int, port: int, root: Path) -> None:
 
 
 def run_ranks(root: Path) -> float:
-    return run_spawned(worker, (free_port(), root), WORLD_SIZE, TIMEOUT_S, f"{WORLD_SIZE} tensor-parallel ranks")
+    return run_spawned(worker, (free_port(), root), WORLD_SIZE, TIMEOUT_SECONDS, f"{WORLD_SIZE} tensor-parallel ranks")
 
 
 # ---------------------------------------------------------------------------- the properties

@@ -56,8 +56,8 @@ from specd.sampling import SamplingParams
 from specd.train.specopd import LocalScorer
 from specd.tree import TokenTree
 
-START_TIMEOUT_S = 90
-LOCKSTEP_TIMEOUT_S = 120
+START_TIMEOUT_SECONDS = 90
+LOCKSTEP_TIMEOUT_SECONDS = 120
 
 
 # ---------------------------------------------------------------------------- the lockstep, in-process
@@ -120,7 +120,7 @@ def test_lockstep_engine_scorer_and_head_equal_the_whole_model(tmp_path):
             model.lm_head.weight.mul_(8)  # greedy loops that prompt lookup can draft
         save_model(model, tmp_path / kind)
         whole[kind] = lockstep_run(load_model(tmp_path / kind))
-    run_spawned(lockstep_worker, (free_port(), tmp_path), 2, LOCKSTEP_TIMEOUT_S, "the lockstep ranks")
+    run_spawned(lockstep_worker, (free_port(), tmp_path), 2, LOCKSTEP_TIMEOUT_SECONDS, "the lockstep ranks")
     ranks = torch.load(tmp_path / "lockstep.pt")
     for kind in KINDS:
         got, want = ranks[kind], whole[kind]
@@ -180,7 +180,7 @@ def service(models, tmp_path_factory):
         stdout=log.open("w"), stderr=subprocess.STDOUT, env=environment())
     address = f"127.0.0.1:{grpc_port}"
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + START_TIMEOUT_SECONDS
         for process, name in ((drafter, "drafter"), (verifier, "verifier")):
             port = drafter_port if name == "drafter" else grpc_port
             while True:

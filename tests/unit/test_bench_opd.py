@@ -22,7 +22,7 @@ def test_bench_opd_harness_on_debug_models(tmp_path):
     trajectories = [Trajectory(prompt=torch.randint(7, VOCAB, (6,), generator=generator).tolist(),
                                response=torch.randint(7, VOCAB, (16,), generator=generator).tolist()) for _ in range(6)]
     prompts = {d: [torch.randint(7, VOCAB, (5,), generator=generator).tolist() for _ in range(2)] for d in ("code", "math")}
-    settings = OPDBenchSettings(budget_s=1.0, eval_points=2, max_tokens=8, batch_size=2, anchors_per_seq=2,
+    settings = OPDBenchSettings(budget_seconds=1.0, eval_points=2, max_tokens=8, batch_size=2, anchors_per_seq=2,
                                 ablation_branches=(1, 4), throughput_tokens=64, threads=1)
     start_weights = {k: v.clone() for k, v in start.state_dict().items()}
     report = run_bench(settings, target, start, trajectories, prompts, log=lambda _: None)
@@ -31,7 +31,7 @@ def test_bench_opd_harness_on_debug_models(tmp_path):
     assert next(r for r in report.runs if r.name == "offline-kl").loss == "kl"
     assert all(r.num_supervised_tokens >= 64 for r in report.throughput) and report.throughput_ratio > 0
     for row in [*report.runs, *report.ablation]:
-        assert row.seconds >= settings.budget_s and row.steps > 0 and set(row.tau) == {"code", "math"}
+        assert row.seconds >= settings.budget_seconds and row.steps > 0 and set(row.tau) == {"code", "math"}
         assert len(row.curve) == 1 + settings.eval_points and all(1.0 <= t <= settings.block_size + 1 for _, t in row.curve)
     assert [r.branches_per_anchor for r in report.ablation] == [1, 4]
     # Every run starts from the same drafter, which the benchmark never changes.

@@ -147,7 +147,7 @@ def test_plan_flags_build_the_plan_settings():
     for name in ("block_sizes", "ratios", "trainer_gpus", "gpus_per_drafter", "mode", "max_num_seqs", "requests",
                  "prompt_tokens", "output_tokens", "seed", "rate"):
         assert getattr(args, name) == getattr(defaults, name), name
-    assert args.tp_allreduce_us == pytest.approx(defaults.tp_allreduce_s * 1e6)
+    assert args.tp_allreduce_us == pytest.approx(defaults.tp_allreduce_seconds * 1e6)
     args = parser.parse_args(["--profile", "p.json", "--gpus", "4", "--rate", "2", "--block-sizes", "4,8",
                               "--ratios", "1:2,1:1"])
     assert (args.block_sizes, args.ratios) == ((4, 8), ("1:2", "1:1"))

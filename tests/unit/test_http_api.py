@@ -183,8 +183,8 @@ def chat(client, messages, stream, **kwargs):
     return "".join(c.choices[0].delta.content for c in middle), finish.choices[0].finish_reason, usage.usage
 
 
-def wait_until_idle(engine, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
+def wait_until_idle(engine, timeout_seconds=10.0):
+    deadline = time.monotonic() + timeout_seconds
     while engine.num_running or engine.num_waiting:
         assert time.monotonic() < deadline, "the engine still runs the request the client abandoned"
         time.sleep(0.01)

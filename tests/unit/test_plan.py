@@ -250,7 +250,7 @@ def test_a_tensor_parallel_override_renders_with_the_chart():
 
 
 # ---------------------------------------------------------------------------- tensor parallelism
-@pytest.mark.parametrize(("ranks", "extra", "allreduce", "pass_s", "how"), [
+@pytest.mark.parametrize(("ranks", "extra", "allreduce", "pass_seconds", "how"), [
     (1, {}, 0.001, 0.010, None),
     (2, {}, 0.0, 0.005, "assumed"),
     (2, {}, 0.001, 0.006, "assumed"),
@@ -258,16 +258,16 @@ def test_a_tensor_parallel_override_renders_with_the_chart():
     (2, {"tensor_parallel": {"2": {"pass_scale": 0.7}}}, 0.001, 0.007, "measured"),
     (4, {"tensor_parallel": {"2": {"pass_scale": 0.7}}}, 0.0, 0.0025, "assumed"),  # measured for 2 ranks only
 ])
-def test_plain_decoding_on_tensor_parallel_verifiers_matches_the_hand_count(ranks, extra, allreduce, pass_s, how):
+def test_plain_decoding_on_tensor_parallel_verifiers_matches_the_hand_count(ranks, extra, allreduce, pass_seconds, how):
     """Plain decoding, no overheads: TPOT is one pass, and tokens/s is the busy rows per pass
     time, the rows being min(clients, verifiers x max_num_seqs), verifiers = GPUs / ranks."""
-    chosen = settings(gpus=8, tensor_parallel=ranks, tp_allreduce_s=allreduce)
+    chosen = settings(gpus=8, tensor_parallel=ranks, tp_allreduce_seconds=allreduce)
     result = plan(parse_profile(synthetic(**extra)), chosen, progress=False)
     plain = result.plain
     assert plain.split == Split(verifiers=8 // ranks, drafters=0)
-    assert plain.result.tpot_p50 == pytest.approx(pass_s)
+    assert plain.result.tpot_p50 == pytest.approx(pass_seconds)
     rows = min(chosen.concurrency, 8 // ranks * chosen.max_num_seqs)
-    assert plain.result.tokens_per_s == pytest.approx(rows / pass_s, rel=0.01)
+    assert plain.result.tokens_per_s == pytest.approx(rows / pass_seconds, rel=0.01)
     assert all(row.split.verifiers * ranks + row.split.drafters <= 8 for row in result.rows)
     if how is None:
         assert not result.notes
@@ -289,7 +289,7 @@ def test_the_trainers_gpus_come_off_the_budget():
     ({"gpus": 3, "tensor_parallel": 4}, "cannot hold one verifier replica"),
     ({"gpus": 4, "tensor_parallel": 2, "trainer_gpus": 3}, "after the trainer's 3: raise --gpus, lower"),
     ({"trainer_gpus": -1}, "--trainer-gpus must be >= 0"),
-    ({"tp_allreduce_s": -1e-6}, "--tp-allreduce-us must be >= 0"),
+    ({"tp_allreduce_seconds": -1e-6}, "--tp-allreduce-us must be >= 0"),
 ])
 def test_bad_tensor_parallel_settings_are_refused(changes, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -380,7 +380,7 @@ def test_the_compare_shows_the_profile_s_own_measurement_of_a_calibrated_deploym
 
 def test_a_trace_with_arrivals_is_the_load(tmp_path):
     path = tmp_path / "trace.jsonl"
-    path.write_text("".join(json.dumps({"arrival_s": i * 0.05, "prompt_tokens": 16, "output_tokens": 48}) + "\n"
+    path.write_text("".join(json.dumps({"arrival_seconds": i * 0.05, "prompt_tokens": 16, "output_tokens": 48}) + "\n"
                             for i in range(40)))
     profile_path = tmp_path / "profile.json"
     profile_path.write_text(json.dumps(synthetic()))

@@ -142,15 +142,17 @@ def test_poisson_arrivals_below_capacity_are_all_served():
 
 def test_trace_replay(tmp_path):
     path = tmp_path / "trace.jsonl"
-    path.write_text('{"arrival_s": 0.0, "prompt_tokens": 10, "output_tokens": 5}\n'
-                    '{"arrival_s": 1.0, "prompt_ids": [1, 2, 3], "output_ids": [4, 5]}\n')
+    path.write_text('{"arrival_seconds": 0.0, "prompt_tokens": 10, "output_tokens": 5}\n'
+                    '{"arrival_seconds": 1.0, "prompt_ids": [1, 2, 3], "output_ids": [4, 5]}\n')
     trace = load_trace(path)
-    assert trace == [TraceRequest(arrival_s=0.0, prompt_tokens=10, output_tokens=5),
-                     TraceRequest(arrival_s=1.0, prompt_tokens=3, output_tokens=2)]
+    assert trace == [TraceRequest(arrival_seconds=0.0, prompt_tokens=10, output_tokens=5),
+                     TraceRequest(arrival_seconds=1.0, prompt_tokens=3, output_tokens=2)]
     result = simulate(profile(), SimConfig(mode="plain"), Workload(trace=trace))
     assert result.output_tokens == 7
     assert result.seconds == pytest.approx(1.0 + 2 * 0.010)  # the second request: arrives at 1 s, two passes
-    path.write_text('{"arrival_s": 0.0, "output_tokens": 5}\n')
+    path.write_text('{"arrival_s": 0.5, "prompt_tokens": 10, "output_tokens": 5}\n')  # an older trace's key
+    assert load_trace(path) == [TraceRequest(arrival_seconds=0.5, prompt_tokens=10, output_tokens=5)]
+    path.write_text('{"arrival_seconds": 0.0, "output_tokens": 5}\n')
     with pytest.raises(ValueError, match="trace.jsonl:1: a trace line needs prompt_tokens"):
         load_trace(path)
 

@@ -197,7 +197,7 @@ def _request(channel: verifier_pb2.TensorChannel, top_k: int = 0) -> verifier_pb
                                      sequences=[verifier_pb2.ScoreSequence(context=[5, 6], tree=tree)])
 
 
-GOOD = {"master_addr": HOST, "master_port": 29500, "channel_id": "abc123", "backend": "gloo", "timeout_s": 5.0,
+GOOD = {"master_addr": HOST, "master_port": 29500, "channel_id": "abc123", "backend": "gloo", "timeout_seconds": 5.0,
         "sequence": 1}
 BAD_CHANNELS = {
     "no address": ({"master_addr": ""}, "master_addr"),
@@ -206,9 +206,9 @@ BAD_CHANNELS = {
     "id with a slash": ({"channel_id": "../x"}, "channel_id"),
     "empty id": ({"channel_id": ""}, "channel_id"),
     "unknown backend": ({"backend": "mpi"}, "backend"),
-    "zero timeout": ({"timeout_s": 0.0}, "timeout_s"),
-    "nan timeout": ({"timeout_s": math.nan}, "timeout_s"),
-    "huge timeout": ({"timeout_s": 1e6}, "timeout_s"),
+    "zero timeout": ({"timeout_seconds": 0.0}, "timeout_seconds"),
+    "nan timeout": ({"timeout_seconds": math.nan}, "timeout_seconds"),
+    "huge timeout": ({"timeout_seconds": 1e6}, "timeout_seconds"),
     "sequence zero": ({"sequence": 0}, "sequence"),
 }
 
@@ -236,7 +236,7 @@ def test_top_k_with_a_channel_is_invalid_argument(verifier):
 
 @pytest.mark.parametrize("change, words", [
     ({"backend": "nccl"}, "NCCL"),  # a CPU target cannot join an NCCL channel
-    ({"timeout_s": 0.5}, "cannot reach"),  # no store listens at that port
+    ({"timeout_seconds": 0.5}, "cannot reach"),  # no store listens at that port
 ], ids=["nccl on a cpu target", "store unreachable"])
 def test_a_channel_the_verifier_cannot_use_is_declined_with_the_data_over_grpc(change, words, target, verifier):
     with open_channel(verifier.address, ServiceConfig()) as grpc_channel:

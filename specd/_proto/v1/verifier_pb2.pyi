@@ -55,20 +55,20 @@ class ScoreRequest(_message.Message):
     def __init__(self, sequences: _Optional[_Iterable[_Union[ScoreSequence, _Mapping]]] = ..., top_k: _Optional[int] = ..., temperature: _Optional[float] = ..., channel: _Optional[_Union[TensorChannel, _Mapping]] = ...) -> None: ...
 
 class TensorChannel(_message.Message):
-    __slots__ = ("master_addr", "master_port", "channel_id", "backend", "timeout_s", "sequence")
+    __slots__ = ("master_addr", "master_port", "channel_id", "backend", "timeout_seconds", "sequence")
     MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
     CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
-    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     master_addr: str
     master_port: int
     channel_id: str
     backend: str
-    timeout_s: float
+    timeout_seconds: float
     sequence: int
-    def __init__(self, master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., channel_id: _Optional[str] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ..., sequence: _Optional[int] = ...) -> None: ...
+    def __init__(self, master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., channel_id: _Optional[str] = ..., backend: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class ScoreSequence(_message.Message):
     __slots__ = ("context", "tree", "context_rows")
