@@ -15,7 +15,10 @@ further exit within `STABLE_SECONDS` of a start, capped at ``max_restart_delay``
 keeps dying right after it starts is reported (with its log) each time, never given up on. The
 same ports mean nothing has to be told: a verifier's drafter pool fails over to the live replicas
 meanwhile (or decodes plain; the output is the same either way) and takes the restarted one back
-once its Info answers; Redis comes back on its port, empty (nothing is persisted). Only `stop`
+once its Info answers; Redis comes back on its port, empty (nothing is persisted) unless
+``redis_appendonly`` keeps an append-only file fsynced on every write, from which it comes back
+with every write it acknowledged. The trainer has a fixed consumer name (``trainer``), so a
+restarted one reads its own unacknowledged backlog at once instead of waiting to reclaim it. Only `stop`
 (Ctrl-C, SIGTERM) ends the stack. A service that does not start the first time fails `start`
 instead: that is a configuration to fix, not a crash to ride out. Off by default: a benchmark
 wants a dead service to stay dead rather than skew what it measures.
@@ -24,6 +27,11 @@ Default ports, each overridable: verifier HTTP 8000 (+i for verifier i), verifie
 (further verifiers 50071, 50072, ...), drafters from 50052, trainer 50060; plain-decoding
 verifiers for comparisons (``plain_verifiers``) on HTTP 8100+i and gRPC 50081+i. ``pin`` gives each
 service process its own CPU core where the machine has enough (verifiers first).
+
+**Faults on purpose**: `Stack.kill` and `Stack.signal` (SIGKILL, SIGSTOP/SIGCONT, ...) reach a
+service's current process; ``StackConfig.env`` reaches every service's environment (how a fault
+test turns on `services.common.failpoints`); ``redis_appendonly`` also lets a client on loopback
+send ``DEBUG SLEEP`` (a slow Redis).
 """
 
 from __future__ import annotations
@@ -40,6 +48,8 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import redis
 
 from services.common.config import ServiceConfig
 from services.common.server import open_channel, wait_healthy
@@ -100,6 +110,13 @@ class StackConfig:
     trainer_args: list[str] = field(default_factory=list)
     workdir: str = ""
     """Where logs and trainer checkpoints go ("" = a fresh temporary directory)."""
+    redis_appendonly: bool = False
+    """The stack's own redis-server keeps an append-only file under ``<workdir>/redis``, fsynced on
+    every write, so a ``kill -9`` and its supervised restart lose no acknowledged write; it also
+    accepts ``DEBUG`` commands from loopback (``DEBUG SLEEP``: a slow Redis, for fault tests)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment for every service process (Redis included), over the stack's own
+    (e.g. ``SPECD_FAILPOINTS`` and ``SPECD_FAILPOINT_LOG`` for `services.common.failpoints`)."""
 
     def __post_init__(self) -> None:
         if self.drain_seconds < 0:
@@ -209,6 +226,7 @@ class Stack:
             args = ["--port", str(c.trainer_port), "--host", c.host, "--redis-url", self.redis_url,
                     "--drafter", c.drafter, "--verifiers", ",".join(s.grpc for s in self.verifiers),
                     "--checkpoint-dir", str(self.workdir / "trainer"), "--block-size", str(c.block_size),
+                    "--consumer", "trainer",  # the same name after a restart: it reads its own backlog at once
                     "--stop-token-ids", ",".join(map(str, _stop_token_ids(c.target))), *drain, *c.trainer_args]
             self._spawn("trainer", "services.trainer", args, grpc=f"{c.host}:{c.trainer_port}")
         deadline = time.monotonic() + timeout
@@ -230,8 +248,14 @@ class Stack:
             raise StackError("redis-server is not installed: run `make setup` (it installs it) or pass --redis-url")
         port = free_port()
         # A restart reuses this command line, so Redis comes back on the port everyone was given.
-        command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        self._add("redis", command)
+        command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+        if self.config.redis_appendonly:
+            (self.workdir / "redis").mkdir(exist_ok=True)
+            command += ["--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.workdir / "redis"),
+                        "--enable-debug-command", "local"]
+        else:
+            command += ["--appendonly", "no"]
+        self._add("redis", command, env={**os.environ, **self.config.env} if self.config.env else None)
         self._redis_port = port
         self.redis_url = f"redis://127.0.0.1:{port}/0"
         self._wait(self.services[-1], time.monotonic() + 10)
@@ -239,7 +263,7 @@ class Stack:
     def _spawn(self, name: str, module: str, args: list[str], *, grpc: str = "", http: str = "",
                core: int | None = None) -> Service:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "SPECD_AUTH_TOKEN": self.config.auth_token,
-               "PYTHONUNBUFFERED": "1"}
+               "PYTHONUNBUFFERED": "1", **self.config.env}
         return self._add(name, [sys.executable, "-m", module, *args], env=env, grpc=grpc, http=http,
                          core=self._core() if core is None else core)
 
@@ -279,7 +303,7 @@ class Stack:
                     grpc_ready = True
                 except TimeoutError:
                     pass
-            elif (service.name == "redis" and not _accepts(self._redis_port)) or (
+            elif (service.name == "redis" and not _redis_ready(self._redis_port)) or (
                     service.http and not _http_healthy(service.http)):
                 time.sleep(0.05)
             else:
@@ -383,11 +407,28 @@ class Stack:
             finally:
                 channel.close()
 
+    def service(self, name: str) -> Service:
+        """The service called ``name`` ("redis", "trainer", "drafter-0", "verifier-0", ...)."""
+        for service in self.services:
+            if service.name == name:
+                return service
+        raise KeyError(f"no service {name!r} in this stack; it has {[s.name for s in self.services]}")
+
     def kill(self, name: str) -> None:
-        """For fault tests: SIGKILL one service (supervised, it is restarted)."""
-        service = next(s for s in self.services if s.name == name)
+        """For fault tests: SIGKILL one service and reap it (supervised, it is restarted)."""
+        service = self.service(name)
         service.process.kill()
         service.process.wait()
+
+    def signal(self, name: str, signum: int) -> None:
+        """For fault tests: send ``signum`` (SIGSTOP, SIGCONT, SIGKILL, ...) to ``name``'s current
+        process without waiting for it. ProcessLookupError when that process has already exited
+        (between a crash and its restart there is none to signal)."""
+        process = self.service(name).process
+        if process.poll() is not None:
+            raise ProcessLookupError(f"{name} (pid {process.pid}) has exited with "
+                                     f"{_exit_status(process.returncode)}; nothing to signal until it is restarted")
+        process.send_signal(signum)
 
     # ------------------------------------------------------------------ stop
     def stop(self, timeout: float | None = None) -> None:
@@ -403,6 +444,7 @@ class Stack:
                        if _STOP_ORDER[s.name.split("-")[0]] == tier and s.process.poll() is None]
             for process in running:
                 process.send_signal(signal.SIGTERM)
+                process.send_signal(signal.SIGCONT)  # one a fault test stopped (SIGSTOP) drains too
             deadline = time.monotonic() + timeout
             for process in running:
                 try:
@@ -453,13 +495,15 @@ def _http_healthy(base_url: str) -> bool:
         return False
 
 
-def _accepts(port: int) -> bool:
-    """Whether something listens on loopback ``port`` (Redis' readiness)."""
+def _redis_ready(port: int) -> bool:
+    """Whether Redis on loopback ``port`` answers PING (not LOADING: its append-only file is read)."""
+    client = redis.Redis(port=port, socket_timeout=0.5, socket_connect_timeout=0.2)
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            return True
-    except OSError:
+        return bool(client.ping())
+    except redis.RedisError:
         return False
+    finally:
+        client.close()
 
 
 def _report(message: str) -> None:

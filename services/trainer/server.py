@@ -11,17 +11,21 @@ group) into a `specd.train.online.OnlineLearner`, which decides everything else:
    No verifier reachable: the batch waits and is retried; the traces stay unacknowledged;
 3. every ``steps_per_version`` steps: save the online checkpoint, THEN acknowledge every trace in
    it (never before: a crash in between redelivers traces the checkpoint already holds, and the
-   learner skips them), then gate the weights on the held-out traces. A candidate that passes
-   is written under ``checkpoint_dir/versions/<version>``, ``version_key`` is SET to
-   ``{"version", "sha256": {file: hex}}`` and a hint is PUBLISHed on ``version_channel``;
-   drafters pull it with ``GetCheckpoint``. A refused one is counted.
+   learner skips them; the failpoint ``trainer.after_checkpoint`` sits in that window, so a fault
+   test can ``kill -9`` the trainer there: `services.common.failpoints`), then gate the weights
+   on the held-out traces. A candidate that passes is written under
+   ``checkpoint_dir/versions/<version>``, ``version_key`` is SET to ``{"version", "sha256":
+   {file: hex}}`` and a hint is PUBLISHed on ``version_channel``; drafters pull it with
+   ``GetCheckpoint``. A refused one is counted.
    With ``--weight-transport broadcast``, before the key is set the version's files are
    broadcast over torch.distributed to the drafter replicas registered for it
    (`services.common.broadcast`: announcement key + hint, a process group for this update only);
    whatever goes wrong there is logged and counted, the key is set all the same, and drafters
    that did not get the files pull them.
 
-SIGTERM: the gRPC server drains, the loop finishes its current step, saves, acknowledges and exits.
+SIGTERM: the gRPC server drains, the loop finishes its current step, saves, acknowledges and exits
+(through the same `TrainerService.checkpoint`, failpoint included). Each checkpoint records which
+trace ids it took in (`specd.train.online.read_ledger` reads that lineage from disk).
 One trainer replica owns a lineage of drafter weights; the consumer group is what lets a replaced
 pod (a new consumer name) take over its predecessor's unacknowledged traces (``claim_idle_ms``).
 
@@ -65,6 +69,8 @@ from services.common.broadcast import (
 )
 from services.common.checkpoints import stream_checkpoint
 from services.common.config import ServiceConfig, parse_config
+from services.common.failpoints import configured as configured_failpoints
+from services.common.failpoints import failpoint
 from services.common.server import MAX_MESSAGE_BYTES, GrpcServer, abort
 from services.common.telemetry import start_metrics_server
 from services.trainer.parallel import run_follower, start_ranks
@@ -240,6 +246,8 @@ class TrainerService:
     def __init__(self, config: TrainerConfig, *, client: redis.Redis | None = None,
                  metrics: TrainerMetrics | None = None, leader: Leader | None = None) -> None:
         self.config = config
+        if configured_failpoints():  # a malformed SPECD_FAILPOINTS raises here (a ValueError), not at a checkpoint
+            logger.warning("failpoints active: %s", configured_failpoints())
         self.client = client or redis.Redis.from_url(config.redis_url, decode_responses=True)
         self.metrics = metrics or TrainerMetrics(CollectorRegistry())
         drafter = _load_drafter(config.drafter, config.device)
@@ -374,6 +382,7 @@ class TrainerService:
     def checkpoint(self) -> None:
         """Save the online checkpoint, then acknowledge every trace whose effect it holds."""
         self.learner.save()
+        failpoint("trainer.after_checkpoint")  # saved, not acknowledged: where a fault test kills us
         self.stream.ack(self._to_ack)
         logger.info("checkpoint at step %d; acknowledged %d traces", self.learner.num_steps, len(self._to_ack))
         self._to_ack = []

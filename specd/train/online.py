@@ -20,6 +20,17 @@ Design choices:
   version twice: a trainer that saved a checkpoint and died before acknowledging its traces gets
   them again, and skips them. Traces trained after the last checkpoint are not in it, so after
   a restart they are trained again, into weights that never saw them.
+- **The ledger** (`LedgerEntry`, `read_ledger`): each checkpoint records the trace ids taken in
+  since the previous checkpoint of its lineage, trained and held out, inside the checkpoint's own
+  state, so it is exactly as durable as the weights it describes. Restored with the checkpoint,
+  the lineage goes on numbering from there; traces trained after the last checkpoint and lost in
+  a crash are in no entry, and once redelivered and trained again they are in the next one. So
+  every acknowledged trace is in exactly one entry (acknowledgement follows the checkpoint), which
+  a fault test can check from disk alone. Bounded like ``trained_ids``: the newest entries that
+  together hold at least ``remember_traces`` ids are kept (older ones are dropped whole; their
+  ``checkpoint`` numbers are not reused). A held-out id is skipped as a duplicate only while it
+  is among the newest ``max_heldout`` held-out traces: one redelivered after more than that many
+  newer held-out ones would be taken in (and recorded) again.
 - **A version is a checkpoint that passed the gate.** Every ``steps_per_version`` steps the
   online state is saved (`save`, atomically: `specd.train.opd.save_checkpoint`), and the service
   acknowledges the traces in it only then. The weights keep training whether or not a candidate
@@ -247,6 +258,60 @@ def write_version(drafter: D3DModel, versions: Path, num_steps: int) -> Publishe
     return Published(version=version, directory=directory, sha256=sha256)
 
 
+# ---------------------------------------------------------------------------- the ledger
+@dataclass(kw_only=True, slots=True)
+class LedgerEntry:
+    """What one checkpoint of a lineage took in since the previous one (module docstring)."""
+
+    checkpoint: int
+    """1, 2, ... along the lineage (a restarted trainer goes on from its last checkpoint's number)."""
+    num_steps: int
+    """Optimizer steps of the weights this checkpoint holds."""
+    trained: list[str]
+    """Trace ids trained into the weights since the previous checkpoint, in training order."""
+    heldout: list[str]
+    """Trace ids held out for the gate since the previous checkpoint, in arrival order."""
+
+
+def bounded_ledger(entries: list[LedgerEntry], keep_ids: int) -> list[LedgerEntry]:
+    """The shortest suffix of ``entries`` that holds at least ``keep_ids`` trace ids (all of
+    them when they hold fewer); the newest entry is always kept."""
+    total = sum(len(e.trained) + len(e.heldout) for e in entries)
+    start = 0
+    while start < len(entries) - 1 and total - len(entries[start].trained) - len(entries[start].heldout) >= keep_ids:
+        total -= len(entries[start].trained) + len(entries[start].heldout)
+        start += 1
+    return entries[start:]
+
+
+def read_ledger(checkpoint_dir: Path) -> list[LedgerEntry]:
+    """The ledger of the online checkpoint in ``checkpoint_dir``, oldest entry first, read from
+    disk without a trainer. ``checkpoint_dir`` is the trainer's ``--checkpoint-dir`` (holding
+    ``online/``) or the ``online/`` directory itself; one-process (``state.pt``) and data-parallel
+    (``trainer.json``) checkpoints both work. FileNotFoundError when there is no checkpoint there,
+    ValueError when it is not an online trainer's."""
+    directory = Path(checkpoint_dir)
+    for candidate in (directory / "online", directory):
+        if (candidate / "state.pt").is_file():
+            # Our own file: it holds numpy RNG state, which weights_only refuses.
+            state = torch.load(candidate / "state.pt", weights_only=False, map_location="cpu")
+            if state.get("method") != METHOD:
+                raise ValueError(f"{candidate} is a {state.get('method')!r} checkpoint, not an online trainer's "
+                                 f"({METHOD!r}): it has no ledger")
+            data = state["data"]
+            break
+        if (candidate / TRAINER_STATE).is_file():
+            data = json.loads((candidate / TRAINER_STATE).read_text())["data"]
+            break
+    else:
+        raise FileNotFoundError(f"no online checkpoint in {directory} (looked for online/state.pt, online/{TRAINER_STATE}, "
+                                f"state.pt and {TRAINER_STATE}): pass the trainer's --checkpoint-dir")
+    if "ledger" not in data:
+        raise ValueError(f"the checkpoint in {candidate} has no ledger: it is not an online trainer's, or was "
+                         "written before checkpoints kept one")
+    return [LedgerEntry(**entry) for entry in data["ledger"]]
+
+
 # ---------------------------------------------------------------------------- the learner
 @dataclass(kw_only=True, slots=True)
 class OnlineCounters:
@@ -290,6 +355,10 @@ class OnlineLearner:
         self.published: OrderedDict[str, dict[str, str]] = OrderedDict()  # version -> sha256 map
         self.batch: list[Trace] = []
         self.steps_at_version = 0  # num_steps at the last checkpoint
+        self.ledger: list[LedgerEntry] = []  # the newest checkpoints' entries (module docstring)
+        self.num_checkpoints = 0  # checkpoints of this lineage so far (the last entry's number)
+        self._new_trained: list[str] = []  # ids trained since the last checkpoint: its next entry
+        self._new_heldout: list[str] = []
 
     def _trainer(self, scorer: TreeScorer, drafter: D3DModel) -> SpecOPDTrainer:
         """What trains ``drafter`` (a subclass trains it over data-parallel ranks)."""
@@ -328,6 +397,7 @@ class OnlineLearner:
         self.counters.traces_consumed += 1
         if is_heldout(trace_id, self.online.heldout_every):
             self.heldout[trace_id] = trace.trajectory
+            self._new_heldout.append(trace_id)
             while len(self.heldout) > self.online.max_heldout:
                 self.heldout.popitem(last=False)
             return "heldout"
@@ -348,6 +418,7 @@ class OnlineLearner:
         result = self._train([trace.trajectory for trace in self.batch])
         for trace in self.batch:
             self.trained_ids[trace.trace_id] = None
+            self._new_trained.append(trace.trace_id)
         while len(self.trained_ids) > self.online.remember_traces:
             self.trained_ids.popitem(last=False)
         self.batch = []
@@ -373,9 +444,21 @@ class OnlineLearner:
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> None:
         """Write the online checkpoint (weights, optimizer, RNGs, trained ids, held-out traces,
-        counters) to a temporary directory and rename it into place."""
+        counters, the ledger with this checkpoint's entry) to a temporary directory and rename it
+        into place."""
         self.steps_at_version = self.trainer.num_steps
-        self._save_checkpoint()
+        entry = LedgerEntry(checkpoint=self.num_checkpoints + 1, num_steps=self.trainer.num_steps,
+                            trained=list(self._new_trained), heldout=list(self._new_heldout))
+        before = self.ledger
+        self.ledger = bounded_ledger([*before, entry], self.online.remember_traces)
+        self.num_checkpoints += 1
+        try:
+            self._save_checkpoint()
+        except BaseException:  # not saved: the entry is not part of the lineage; the next save records its ids
+            self.ledger = before
+            self.num_checkpoints -= 1
+            raise
+        self._new_trained, self._new_heldout = [], []
 
     def _save_checkpoint(self) -> None:
         save_checkpoint(self.checkpoint_dir, self.trainer, self, METHOD, {})
@@ -427,6 +510,8 @@ class OnlineLearner:
             "trained_ids": list(self.trained_ids),
             "heldout": [(i, t.prompt, t.response) for i, t in self.heldout.items()],
             "published": list(self.published.items()),
+            "ledger": [asdict(entry) for entry in self.ledger],
+            "num_checkpoints": self.num_checkpoints,
         }
 
     def restore(self, state: dict) -> None:
@@ -434,6 +519,10 @@ class OnlineLearner:
         self.trained_ids = OrderedDict.fromkeys(state["trained_ids"])
         self.heldout = OrderedDict((i, Trajectory(prompt=p, response=r)) for i, p, r in state["heldout"])
         self.published = OrderedDict(state["published"])
+        # A checkpoint written before the ledger existed starts one (numbered from 1).
+        self.ledger = [LedgerEntry(**entry) for entry in state.get("ledger", [])]
+        self.num_checkpoints = state.get("num_checkpoints", len(self.ledger))
+        self._new_trained, self._new_heldout = [], []
 
     # ------------------------------------------------------------------ the gate and versions
     def judge(self, candidate: D3DModel | None = None) -> GateDecision:

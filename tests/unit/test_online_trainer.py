@@ -4,7 +4,9 @@ Traces are acknowledged only after the checkpoint that holds them; a trainer kil
 (or between its checkpoint and its acknowledgements) loses no trace and trains none twice into
 one version; bad entries go to the dead-letter stream; the gate refuses a worse drafter and
 publishes a better or equal one with the right key, hint, files and sha256; SIGTERM saves and
-acknowledges before the process exits.
+acknowledges before the process exits. Every checkpoint's ledger says which traces it took in:
+after a ``kill -9`` inside the window between a checkpoint and its acknowledgements (the
+``trainer.after_checkpoint`` failpoint), every acknowledged trace is in exactly one entry.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from redis_server import redis_server
 
 from services.common.checkpoints import fetch_checkpoint
 from services.common.config import ServiceConfig
+from services.common.failpoints import ENVIRONMENT as FAILPOINTS
+from services.common.failpoints import LOG_ENVIRONMENT as FAILPOINT_LOG
 from services.common.server import GrpcServer, open_channel, wait_healthy
 from services.trainer.server import (
     SERVICE_NAME,
@@ -39,7 +43,16 @@ from specd.models.d3d import FLAVOURS as D3D_FLAVOURS
 from specd.models.d3d import D3DModel
 from specd.models.loading import file_sha256, load_model, save_model
 from specd.models.qwen3 import FLAVOURS, Qwen3ForCausalLM
-from specd.train.online import OnlineConfig, Trace, expected_tau, gate, is_heldout
+from specd.train.online import (
+    LedgerEntry,
+    OnlineConfig,
+    Trace,
+    bounded_ledger,
+    expected_tau,
+    gate,
+    is_heldout,
+    read_ledger,
+)
 from specd.train.specopd import SpecOPDConfig, SpecOPDTrainer
 
 VOCAB = FLAVOURS["debug"].vocab_size
@@ -336,3 +349,122 @@ def test_sigterm_finishes_the_step_saves_and_acknowledges(models, redis_url, cli
     state = saved_state(tmp_path / "run")
     assert state["num_steps"] == 1 and state["data"]["trained_ids"] == [t.trace_id for t in traces]
     assert pending(client) == 0
+
+
+# ---------------------------------------------------------------------------- the ledger
+def ids(traces: list[Trace]) -> list[str]:
+    return [t.trace_id for t in traces]
+
+
+def assert_each_once(ledger: list[LedgerEntry], acknowledged: list[str]) -> None:
+    """The property a fault test checks: every acknowledged trace in exactly one entry."""
+    taken = [i for entry in ledger for i in entry.trained + entry.heldout]
+    twice = sorted({i for i in taken if taken.count(i) > 1})
+    assert not twice, f"trace ids in two ledger entries: {twice}"
+    assert sorted(taken) == sorted(acknowledged)
+    assert [entry.checkpoint for entry in ledger] == list(range(1, len(ledger) + 1))
+
+
+def test_the_ledger_records_each_checkpoint_and_survives_a_restart(models, redis_url, client, tmp_path):
+    directory = tmp_path / "run"
+    trained, heldout = make_traces(6, heldout=False), make_traces(2, heldout=True, start=1000)
+    add(client, [trained[0], heldout[0], *trained[1:4]])
+    first = TrainerService(config(models, redis_url, directory), client=client)
+    poll_until(first, lambda: first.learner.num_steps == 2 and pending(client) == 0)
+    want = [LedgerEntry(checkpoint=1, num_steps=2, trained=ids(trained[:4]), heldout=ids(heldout[:1]))]
+    assert read_ledger(directory) == read_ledger(directory / "online") == first.learner.ledger == want
+    first.stop()
+    first.run()  # a stop with nothing new since the checkpoint writes none
+
+    second = TrainerService(config(models, redis_url, directory), client=client)
+    assert second.learner.ledger == want and second.learner.num_checkpoints == 1
+    add(client, [heldout[1], *trained[4:]])
+    poll_until(second, lambda: second.learner.num_steps == 3)
+    second.stop()
+    second.run()  # the shutdown path: one step since the checkpoint, saved as checkpoint 2
+    want.append(LedgerEntry(checkpoint=2, num_steps=3, trained=ids(trained[4:]), heldout=ids(heldout[1:])))
+    assert read_ledger(directory) == want and pending(client) == 0
+
+    # A data-parallel checkpoint keeps the same state as JSON (trainer.json): read the same way.
+    (tmp_path / "dcp").mkdir()
+    (tmp_path / "dcp" / "trainer.json").write_text(json.dumps({"data": second.learner.state()}))
+    assert read_ledger(tmp_path / "dcp") == want
+    with pytest.raises(FileNotFoundError, match="no online checkpoint"):
+        read_ledger(tmp_path / "nothing")
+
+
+def test_the_ledger_keeps_the_newest_entries_that_cover_remember_traces():
+    entries = [LedgerEntry(checkpoint=n, num_steps=n, trained=[f"{n}-{i}" for i in range(size)], heldout=[])
+               for n, size in enumerate([3, 2, 4], start=1)]
+    assert [e.checkpoint for e in bounded_ledger(entries, 100)] == [1, 2, 3]
+    assert [e.checkpoint for e in bounded_ledger(entries, 6)] == [2, 3]  # 2 + 4 ids cover 6; 4 alone do not
+    assert [e.checkpoint for e in bounded_ledger(entries, 4)] == [3]
+    assert [e.checkpoint for e in bounded_ledger(entries, 1)] == [3]  # the newest always stays
+
+
+def test_a_malformed_failpoint_setting_stops_the_trainer_at_start(models, redis_url, client, tmp_path, monkeypatch):
+    monkeypatch.setenv(FAILPOINTS, "trainer.after_checkpoint=sleep(forever)")
+    with pytest.raises(ValueError, match=f"{FAILPOINTS}.*must be a number"):
+        TrainerService(config(models, redis_url, tmp_path / "run"), client=client)
+
+
+def trainer_process(models: Path, redis_url: str, directory: Path, port: int, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.trainer", "--port", str(port), "--drafter", str(models / "drafter"),
+         "--target", str(models / "target"), "--checkpoint-dir", str(directory), "--consumer", "trainer-a",
+         "--batch-size", "2", "--steps-per-version", "2", "--heldout-every", str(HELDOUT_EVERY), "--min-heldout", "1",
+         "--block-size", "4", "--anchors-per-seq", "2", "--branches-per-anchor", "2", "--lr", "3e-3",
+         "--block-ms", "20", "--claim-idle-ms", "60000", "--drain-seconds", "1"],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "SPECD_REDIS_URL": redis_url, **env},
+        cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+@pytest.mark.parametrize("restart", ["same consumer", "new consumer"])
+def test_kill_9_between_checkpoint_and_ack_leaves_every_acknowledged_trace_in_one_ledger_entry(
+        restart, models, redis_url, client, tmp_path):
+    """A trainer process is killed inside ``trainer.after_checkpoint`` (saved, nothing acknowledged);
+    its successor skips what that checkpoint holds, trains a step and dies too (no checkpoint);
+    the third trains the lost step's traces again and checkpoints. Every trace is acknowledged and
+    in exactly one ledger entry, and the lost step's traces are in the last one only."""
+    directory, log = tmp_path / "run", tmp_path / "failpoints.jsonl"
+    trained, heldout = make_traces(8, heldout=False), make_traces(2, heldout=True, start=1000)
+    add(client, [trained[0], heldout[0], *trained[1:4]])
+    process = trainer_process(models, redis_url, directory, free_port(),
+                              {FAILPOINTS: "trainer.after_checkpoint=sleep(600)", FAILPOINT_LOG: str(log)})
+    try:
+        deadline = time.monotonic() + 120
+        while not (log.exists() and log.read_text().endswith("\n")):  # poll for the hit: it is in the window now
+            if process.poll() is not None:
+                raise AssertionError(f"the trainer exited before its checkpoint:\n{process.communicate()[0]}")
+            assert time.monotonic() < deadline, "the trainer reached no checkpoint within 120 s"
+            time.sleep(0.05)
+        hit = json.loads(log.read_text())
+        assert hit["name"] == "trainer.after_checkpoint" and hit["pid"] == process.pid
+        process.kill()  # kill -9, between the checkpoint and its XACK
+        process.wait()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert pending(client) == 5  # saved, never acknowledged
+    first_entry = LedgerEntry(checkpoint=1, num_steps=2, trained=ids(trained[:4]), heldout=ids(heldout[:1]))
+    assert read_ledger(directory) == [first_entry]
+
+    new = restart.startswith("new")
+    second = TrainerService(config(models, redis_url, directory, **({"consumer": "trainer-b", "claim_idle_ms": 0}
+                                                                      if new else {})), client=client)
+    add(client, trained[4:6])
+    poll_until(second, lambda: second.learner.num_steps == 3)
+    assert second.learner.counters.duplicates == 5  # the redelivered traces the checkpoint holds: skipped
+    # Killed here too: step 3 (trained[4:6]) is in no checkpoint, and nothing is acknowledged.
+
+    third = TrainerService(config(models, redis_url, directory, **({"consumer": "trainer-c", "claim_idle_ms": 0}
+                                                                     if new else {})), client=client)
+    assert third.learner.num_steps == 2 and third.learner.ledger == [first_entry]
+    add(client, [heldout[1], *trained[6:]])
+    poll_until(third, lambda: third.learner.num_steps == 4 and pending(client) == 0)
+    ledger = read_ledger(directory)
+    assert ledger == [first_entry, LedgerEntry(checkpoint=2, num_steps=4, trained=ids(trained[4:]),
+                                               heldout=ids(heldout[1:]))]
+    assert_each_once(ledger, ids(trained) + ids(heldout))
