@@ -28,9 +28,12 @@ import redis
 from services.client import stream_completion
 from services.common.config import ServiceConfig
 from services.common.server import open_channel, wait_healthy
-from services.up import STOP_MARGIN_SECONDS, free_port
+from services.common.failpoints import ENVIRONMENT as FAILPOINTS
+from services.common.failpoints import LOG_ENVIRONMENT as FAILPOINT_LOG
+from services.up import STOP_MARGIN_SECONDS, Stack, StackConfig, free_port
 from specd import zoo
 from specd._proto.v1 import drafter_pb2, drafter_pb2_grpc
+from specd.train.online import read_ledger
 
 pytestmark = pytest.mark.zoo
 
@@ -345,3 +348,68 @@ def test_sigterm_drains_a_drafter_within_drain_seconds(paths, tmp_path, stream):
     log_text = (tmp_path / "drafter.log").read_text()
     assert code == 0, log_text
     assert seconds < DRAIN, f"the drafter took {seconds:.1f}s to stop (drain_seconds {DRAIN}):\n{log_text}"
+
+
+# ---------------------------------------------------------------------------- the trainer's records
+def test_a_trainer_killed_between_checkpoint_and_ack_in_the_stack_trains_each_trace_into_one_checkpoint(
+        paths, prompts, tmp_path):
+    """The real stack (Stack, supervised) with the failpoint turned on through StackConfig.env:
+    traffic makes traces, the trainer checkpoints and waits in ``trainer.after_checkpoint``, it is
+    killed there (kill -9), the supervisor restarts it under the same consumer name, more traffic
+    comes; once every trace is acknowledged, each one is in exactly one entry of the ledger."""
+    log = tmp_path / "failpoints.jsonl"
+    config = StackConfig(
+        target=paths[0], drafter=paths[1], drafters=1, verifiers=1, trainer=True, restart=True, restart_delay=0.2,
+        verifier_http_port=free_port(), verifier_grpc_port=free_port(), drafter_port=free_port(),
+        trainer_port=free_port(), workdir=str(tmp_path / "stack"), drain_seconds=DRAIN,
+        env={FAILPOINTS: "trainer.after_checkpoint=sleep(3)", FAILPOINT_LOG: str(log)},
+        # A checkpoint per trace, none held out (the gate never runs): every trace is acknowledged soon.
+        trainer_args=["--batch-size", "1", "--steps-per-version", "1", "--heldout-every", str(10**9),
+                      "--anchors-per-seq", "2", "--branches-per-anchor", "2", "--block-ms", "100"])
+    body = {"model": Path(paths[0]).name, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+
+    def traffic(stack: Stack, count: int) -> None:
+        for n in range(count):
+            stream_completion(stack.verifiers[0].http, "/v1/completions", {**body, "prompt": prompts[n % len(prompts)]},
+                              timeout=120)
+
+    def hits() -> list[dict]:
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+    with Stack(config) as stack:
+        client = redis.Redis.from_url(stack.redis_url, decode_responses=True)
+        trainer = stack.service("trainer")
+        traffic(stack, 3)
+        deadline = time.monotonic() + 180
+        while not hits():  # poll: the trainer is inside the window once its hit is written
+            assert time.monotonic() < deadline, f"the trainer reached no checkpoint:{_tail(trainer)}"
+            time.sleep(0.05)
+        assert hits()[0]["pid"] == trainer.process.pid  # the env reached the trainer's process
+        stack.kill("trainer")
+        assert client.xpending("specd:traces", "specd-trainer")["pending"] >= 1  # saved, never acknowledged
+        assert read_ledger(tmp_path / "stack" / "trainer")[0].checkpoint == 1
+        traffic(stack, 2)  # while it restarts: the verifier writes traces all the same
+
+        def settled() -> bool:  # every trace written, delivered and acknowledged
+            last = client.xrevrange("specd:traces", count=1)
+            group = client.xinfo_groups("specd:traces")[0]
+            return (client.xlen("specd:traces") == 5 and group["pending"] == 0
+                    and bool(last) and group["last-delivered-id"] == last[0][0])
+
+        deadline = time.monotonic() + 240
+        while not settled():
+            assert time.monotonic() < deadline, f"the restarted trainer did not acknowledge every trace:{_tail(trainer)}"
+            time.sleep(0.1)
+        assert trainer.restarts == 1
+        acknowledged = [fields["trace_id"] for _, fields in client.xrange("specd:traces")]
+        client.close()
+    ledger = read_ledger(tmp_path / "stack" / "trainer")
+    taken = [i for entry in ledger for i in entry.trained + entry.heldout]
+    print(f"{len(ledger)} checkpoints, {len(taken)} traces in the ledger, {len(hits())} failpoint hits")
+    assert len(taken) == len(set(taken)), f"a trace is in two checkpoints: {ledger}"
+    assert sorted(taken) == sorted(acknowledged)
+    assert [entry.checkpoint for entry in ledger] == list(range(1, len(ledger) + 1))
+
+
+def _tail(service) -> str:
+    return "\n" + service.log.read_text()[-3000:]
