@@ -344,8 +344,19 @@ class Command:
 
 
 def installed_commands() -> dict[str, Command]:
-    """The installed packages' commands, by path (entry-point group ``specd.commands``)."""
-    return {point.name: point.load() for point in entry_points(group=COMMANDS_GROUP)}
+    """The installed packages' commands, by path (entry-point group ``specd.commands``). One whose
+    entry point does not load (a package installed from another checkout, half upgraded) is left
+    out with a warning on stderr: the library's own commands must run whatever else is installed."""
+    commands = {}
+    for point in entry_points(group=COMMANDS_GROUP):
+        try:
+            command = point.load()
+        except (ImportError, AttributeError) as error:
+            print(f"specd: warning: skipping the installed command {point.name!r} ({point.value}): {error}; "
+                  "reinstall the package that provides it (pip install -e .)", file=sys.stderr)
+            continue
+        commands[point.name] = command
+    return commands
 
 
 def _add_installed(subparsers, path: str, command: Command, named: list[str] | None, library_help: str = "") -> None:

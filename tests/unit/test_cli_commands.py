@@ -96,3 +96,19 @@ def test_the_services_bench_profile_adds_the_calibration_unless_told_not_to(monk
     calls.clear()
     assert calibrate.run(parser.parse_args(["bench", "profile", "--no-services"])) == 0
     assert calls == [("measure", False), ("write",)]
+
+
+def test_an_installed_command_that_does_not_load_is_skipped_with_a_warning(monkeypatch, capsys):
+    class Broken:
+        name, value = "bench.gone", "services.commands:NOT_THERE"
+
+        def load(self):
+            raise AttributeError("module 'services.commands' has no attribute 'NOT_THERE'")
+
+    real = cli.entry_points
+    monkeypatch.setattr(cli, "entry_points", lambda group: [*real(group=group), Broken()])
+    installed = cli.installed_commands()
+    assert "bench.gone" not in installed and "up" in installed  # the others still load
+    assert "skipping the installed command 'bench.gone'" in capsys.readouterr().err
+    parser = cli.parser(["zoo", "list"])  # and the library's own commands still parse
+    assert parser.parse_args(["zoo", "list"]).func is not None
