@@ -74,7 +74,7 @@ from specd.data.tokenizer import load_tokenizer
 from specd.models.d3d import D3DModel
 from specd.models.loading import load_model, save_model
 from specd.train.losses import LOSSES, acceptance_probs, distillation_loss, expected_accepted_length, hybrid_weight
-from specd.train.opd import TrajectorySource, open_source
+from specd.train.opd import TrajectorySource, open_source, recover_checkpoint, swap_in
 from specd.train.specopd import (
     SpecOPDConfig,
     StepResult,
@@ -415,7 +415,7 @@ class DataParallelSpecOPD:
     def save(self, directory: str | Path, data: TrajectorySource, log: dict) -> None:
         """DCP model + optimizer shards and rank 0's ``trainer.json``, swapped in by a rename (collective)."""
         directory = Path(directory)
-        partial = directory.with_name(directory.name + ".partial")
+        partial = directory.with_name(directory.name + ".partial")  # `swap_in`'s name for it
         if self.ranks.is_main:
             shutil.rmtree(partial, ignore_errors=True)
         dist.barrier()
@@ -426,11 +426,7 @@ class DataParallelSpecOPD:
                      "skipped": dict(self.skipped), "data": data.state(), "config": asdict(self.config),
                      "world_size": self.ranks.world_size, "log": log}
             (partial / TRAINER_STATE).write_text(json.dumps(state, indent=1) + "\n")
-            old = directory.with_name(directory.name + ".old")
-            if directory.exists():
-                directory.rename(old)
-            partial.rename(directory)
-            shutil.rmtree(old, ignore_errors=True)
+            swap_in(partial, directory)
         dist.barrier()
 
     def read_state(self, directory: str | Path) -> dict:
@@ -464,6 +460,9 @@ def train(trainer: DataParallelSpecOPD, data: TrajectorySource, *, out: str | Pa
     """Train to ``steps`` steps in all, resuming from ``out/checkpoint``; every step's loss."""
     checkpoint = Path(out) / "checkpoint"
     log: dict = {"losses": []}
+    if trainer.ranks.is_main:  # finish a swap a kill interrupted (`specd.train.opd.recover_checkpoint`)
+        recover_checkpoint(checkpoint)
+    dist.barrier()
     if (checkpoint / TRAINER_STATE).is_file():
         log = trainer.load(checkpoint, data)
         if progress and trainer.ranks.is_main:

@@ -67,7 +67,7 @@ import torch
 from specd.models.d3d import D3DModel
 from specd.models.loading import file_sha256, load_model, save_model
 from specd.train.data_parallel import TRAINER_STATE
-from specd.train.opd import load_checkpoint, save_checkpoint
+from specd.train.opd import complete_checkpoint, load_checkpoint, recover_checkpoint, save_checkpoint
 from specd.train.specopd import (
     SpecOPDConfig,
     SpecOPDTrainer,
@@ -291,7 +291,10 @@ def read_ledger(checkpoint_dir: Path) -> list[LedgerEntry]:
     (``trainer.json``) checkpoints both work. FileNotFoundError when there is no checkpoint there,
     ValueError when it is not an online trainer's."""
     directory = Path(checkpoint_dir)
-    for candidate in (directory / "online", directory):
+    # A trainer killed between the renames of its last save left the checkpoint under another name
+    # (`complete_checkpoint`); read it there, without renaming under a trainer that may be running.
+    candidates = [complete_checkpoint(path) for path in (directory / "online", directory)]
+    for candidate in (c for c in candidates if c is not None):
         if (candidate / "state.pt").is_file():
             # Our own file: it holds numpy RNG state, which weights_only refuses.
             state = torch.load(candidate / "state.pt", weights_only=False, map_location="cpu")
@@ -493,6 +496,7 @@ class OnlineLearner:
         return True
 
     def _load_checkpoint(self) -> bool:
+        recover_checkpoint(self.checkpoint_dir)
         if (self.checkpoint_dir / TRAINER_STATE).is_file():
             raise ValueError(f"{self.checkpoint_dir} holds a data-parallel checkpoint ({TRAINER_STATE} + dcp/): "
                              "resume it with --data-parallel N under torchrun, or use another checkpoint directory")

@@ -56,6 +56,7 @@ from specd.train.data_parallel import (
     shard_drafter,
 )
 from specd.train.online import GateDecision, OnlineConfig, OnlineLearner
+from specd.train.opd import recover_checkpoint
 from specd.train.specopd import SpecOPDConfig, StepResult, Trajectory, TreeScorer
 
 logger = logging.getLogger(__name__)
@@ -192,6 +193,7 @@ class ParallelOnlineLearner(OnlineLearner):
             self.trainer.save(self.checkpoint_dir, self, {})
 
     def _load_checkpoint(self) -> bool:
+        recover_checkpoint(self.checkpoint_dir)  # rank 0 alone: the others load what it names
         if (self.checkpoint_dir / "state.pt").is_file():
             raise ValueError(f"{self.checkpoint_dir} holds a one-process checkpoint (state.pt): resume it with "
                              "--data-parallel 1, or use another checkpoint directory")

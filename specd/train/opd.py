@@ -249,6 +249,7 @@ def train_opd(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     state = {"losses": [], "seconds": 0.0, "evaluations": []}
+    recover_checkpoint(out / "checkpoint")
     if (out / "checkpoint").is_dir():
         state = load_checkpoint(out / "checkpoint", trainer, data, method)
         logger.info("resuming %s from step %d", method, trainer.num_steps)
@@ -284,9 +285,57 @@ def train_opd(
 
 
 # ---------------------------------------------------------------------------- checkpoints
+def complete_checkpoint(directory: Path) -> Path | None:
+    """Where the newest complete checkpoint written by `swap_in` to ``directory`` is, None if none.
+
+    `swap_in` writes ``NAME.partial`` whole, then renames ``NAME`` to ``NAME.old``, ``NAME.partial``
+    to ``NAME``, and removes ``NAME.old``. A crash between the two renames leaves no ``NAME``:
+    then ``NAME.partial`` is complete (``NAME`` was moved aside only after it was written) and
+    newer than ``NAME.old``. Without ``NAME.old`` a lone ``NAME.partial`` is a write that was cut
+    short, never a checkpoint."""
+    directory = Path(directory)
+    partial, old = _partial(directory), _old(directory)
+    if directory.exists():
+        return directory
+    if old.exists():
+        return partial if partial.exists() else old
+    return None
+
+
+def recover_checkpoint(directory: Path) -> None:
+    """Finish a `swap_in` a crash interrupted, so that ``directory`` is the newest complete checkpoint
+    again (nothing to do after a clean swap). Call it before looking for a checkpoint to resume."""
+    directory = Path(directory)
+    complete = complete_checkpoint(directory)
+    if complete is not None and complete != directory:
+        complete.rename(directory)
+    if directory.exists():
+        shutil.rmtree(_old(directory), ignore_errors=True)
+
+
+def swap_in(partial: Path, directory: Path) -> None:
+    """Make the complete checkpoint ``partial`` (``directory``'s `_partial`) the checkpoint at
+    ``directory``, replacing the previous one; a crash at any point leaves a complete checkpoint
+    that `recover_checkpoint` finds."""
+    old = _old(directory)
+    shutil.rmtree(old, ignore_errors=True)  # a leftover would make the rename below fail
+    if directory.exists():
+        directory.rename(old)
+    partial.rename(directory)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _partial(directory: Path) -> Path:
+    return directory.with_name(directory.name + ".partial")
+
+
+def _old(directory: Path) -> Path:
+    return directory.with_name(directory.name + ".old")
+
+
 def save_checkpoint(directory: Path, trainer: DrafterDistiller, data: TrajectorySource, method: str, log: dict) -> None:
-    """Weights (safetensors) + everything else (``state.pt``), swapped in by a rename."""
-    partial = directory.with_name(directory.name + ".partial")
+    """Weights (safetensors) + everything else (``state.pt``), swapped in by renames (`swap_in`)."""
+    partial = _partial(directory)
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     weights = {k: v.detach().contiguous().clone() for k, v in trainer.drafter.state_dict().items()}
@@ -306,11 +355,7 @@ def save_checkpoint(directory: Path, trainer: DrafterDistiller, data: Trajectory
         "data": data.state(),
         "log": log,
     }, partial / "state.pt")
-    old = directory.with_name(directory.name + ".old")
-    if directory.exists():
-        directory.rename(old)
-    partial.rename(directory)
-    shutil.rmtree(old, ignore_errors=True)
+    swap_in(partial, directory)
 
 
 def load_checkpoint(directory: Path, trainer: DrafterDistiller, data: TrajectorySource, method: str) -> dict:
