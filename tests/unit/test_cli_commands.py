@@ -13,6 +13,7 @@ import pytest
 
 from services import bench as services_bench
 from services import calibrate, up
+from services.chaos import run as chaos_run
 from specd import cli
 from specd.bench import profile as bench_profile
 
@@ -37,11 +38,13 @@ def own_flags(add_arguments) -> dict[str, object]:
 def test_the_services_register_their_commands():
     installed = cli.installed_commands()
     assert {path: command.module for path, command in installed.items()} == {
-        "up": "services.up", "bench.serve": "services.bench", "bench.profile": "services.calibrate"}
+        "up": "services.up", "bench.serve": "services.bench", "bench.chaos": "services.chaos.run",
+        "bench.profile": "services.calibrate"}
 
 
 @pytest.mark.parametrize("path, module", [(("up",), up), (("bench", "serve"), services_bench),
-                                          (("bench", "profile"), calibrate)])
+                                          (("bench", "profile"), calibrate),
+                                          (("bench", "chaos"), chaos_run)])
 def test_an_installed_command_has_its_module_s_flags_and_runs_it(path, module):
     for argv in (None, [*path, "--help"]):  # every command's flags, or only the named one's
         command = subcommand(cli.parser(argv), *path)
