@@ -1,8 +1,9 @@
 """In-process decoding loops over a target model.
 
 `autoregressive` is plain decoding, written as simply as possible: the reference for "greedy
-speculative output == plain greedy output". It batches ragged prompts: one prefill pass, then
-one decode pass per step for the sequences still running.
+speculative output == plain greedy output", and for a seeded sampled request "speculative output ==
+plain output with the same seed" (keyed sampling, `specd.sampling`). It batches ragged prompts: one
+prefill pass, then one decode pass per step for the sequences still running.
 
 `SpeculativeEngine` is the serving loop: continuous batching of many sequences (admitted and
 finished by `specd.scheduler.Scheduler`), block verification with the rejection sampler, cache
@@ -36,11 +37,13 @@ from specd.drafters.base import (
 from specd.sampling import (
     SamplingParams,
     VerifyResult,
+    keyed_sample,
     process_logits,
     sample,
     target_probs,
     verify_block,
     verify_greedy,
+    verify_keyed,
 )
 from specd.scheduler import Generation, RunningSequence, Scheduler
 from specd.tree import TokenTree
@@ -74,7 +77,8 @@ def autoregressive(
     prompts: Sequence[Sequence[int]],
     params: SamplingParams | Sequence[SamplingParams],
 ) -> list[Generation]:
-    """Plain decoding of a batch of prompts, one token per sequence per pass."""
+    """Plain decoding of a batch of prompts, one token per sequence per pass (a seeded sampled
+    request's token at position t is its keyed choice there: `specd.sampling.keyed_sample`)."""
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
     vocab_size = model.config.vocab_size
@@ -100,7 +104,11 @@ def autoregressive(
             if not running[b]:
                 continue
             logits = process_logits(last[b : b + 1], params[b], prompts[b], out.token_ids)
-            token = int(sample(target_probs(logits, params[b]), generators[b]))
+            probs = target_probs(logits, params[b])
+            if params[b].keyed:
+                token = int(keyed_sample(probs, params[b].seed, len(prompts[b]) + len(out.token_ids)))
+            else:
+                token = int(sample(probs, generators[b]))
             out.token_ids.append(token)
             out.num_passes += 1
             new_tokens[b] = [token]
@@ -246,7 +254,8 @@ class SpeculativeEngine:
 
     Each step is one target pass over every running sequence: the uncached context tail plus
     the drafted block (a chain), ragged across sequences. The rejection sampler
-    (`specd.sampling.verify_block`) decides the accepted length k and the next token c; the
+    (`specd.sampling.verify_block`; `verify_keyed` for a seeded sampled request, which then gives
+    plain decoding's tokens for its seed) decides the accepted length k and the next token c; the
     target cache commits the accepted path. In async mode the drafter drafts the next block
     for likely outcomes (k, c) *during* the target pass (in a worker thread: torch releases
     the GIL); a hit is used at once, a miss asks for a fresh block, and a drafter that fails
@@ -483,10 +492,15 @@ class SpeculativeEngine:
 
     def _accept(self, seq: RunningSequence, block: list[int], logits: Tensor) -> VerifyResult:
         """Verify ``block`` against the target's ``[len(block) + 1, vocab]`` logits there, under the
-        request's sampling (a plain greedy request by argmax alone: no vocabulary-wide tensors)."""
+        request's sampling (a plain greedy request by argmax alone: no vocabulary-wide tensors).
+        A plain step is an empty block: the same rule gives the token plain decoding would."""
         if seq.params.greedy and not seq.params.processes_logits:
             return verify_greedy(block, logits)
         probs = self._target_probs(seq, block, logits)
+        if seq.params.keyed:
+            # Seeded: the tokens plain decoding with this seed gives, whatever was drafted (the
+            # block continues the committed context, so its first token sits at len(context)).
+            return verify_keyed(block, probs, seq.params.seed, len(seq.context))
         draft_probs = None
         if block and seq.block is not None and seq.block.probs is not None:
             draft_probs = seq.block.probs[: len(block)]

@@ -2,8 +2,9 @@
 
 `SamplingParams` follows vLLM's names. ``temperature == 0`` means greedy. Otherwise the
 distribution a request samples from is: logits / temperature, then top-k, then top-p (nucleus)
-filtering, renormalised. Each request owns a `torch.Generator` seeded from its ``seed`` so its
-output does not depend on what else is in the batch.
+filtering, renormalised. A request without a seed owns a `torch.Generator` (nondeterministic) so
+its draws do not depend on what else is in the batch; a request *with* a seed is sampled keyed
+(below), so its output does not depend on anything but its seed.
 
 Speculative verification (Leviathan et al. 2023, "Fast Inference from Transformers via
 Speculative Decoding", arXiv 2211.17192; Chen et al. 2023, arXiv 2302.01318). A drafter proposes
@@ -32,6 +33,32 @@ Randomness is spent only where an outcome is uncertain, each sequence from its o
 So greedy (one-hot p, from `target_probs` with temperature 0) consumes no randomness and is
 exactly "accept while the drafted token is the argmax; the correction or bonus is the argmax",
 whatever q the drafter sent.
+
+**Keyed** sampling, for a **seeded** request (``seed`` set, temperature > 0: `SamplingParams.keyed`).
+The rejection sampler above is lossless in distribution only: its coins and residual draws come
+from the request's generator, so the same seed gives different tokens with and without a drafter,
+with another block size, or when a drafter dies mid-request. A seeded request instead chooses the
+token at absolute position t of its sequence (t = tokens before it, prompt included) by an
+exponential race over its shaped distribution p_t:
+
+    y_t = argmin_v E_{t,v} / p_t(v),   E_{t,v} ~ Exp(1) i.i.d. over the vocabulary,
+
+with E_{t,.} drawn from a generator seeded by `position_key` (seed, t) — splitmix64 of both, and
+nothing else: not the batch, the block, or what was drafted. This is the Gumbel-max trick
+(-log E is Gumbel, so y_t = argmax_v log p_t(v) - log E_{t,v}): y_t is an exact sample of p_t and a
+token with p_t(v) = 0 is never chosen. Verification of a drafted block (`verify_keyed`) computes
+y for each row from the target's p (row i conditioned on x_<i, as always): x_i is accepted while
+x_i == y_i; the first mismatch emits y_i as the correction, a fully accepted block emits y_{B+1} as
+the bonus. So the committed tokens are exactly plain decoding's with the same seed — lossless
+pathwise, not only in distribution — and for a deterministic drafter x_i is accepted with
+probability p(x_i), as under the rejection sampler. A sampling drafter draws a seeded request's
+tokens with the same race over its own q and the same keys (`keyed_sample`), so draft and target
+share their noise and agree often (a coupling); its q is not needed for verification. In-process
+plain decoding (`specd.engine.autoregressive`) and the engine's plain steps use the same choice,
+so plain == speculative for a seed. The batched forms (`verify_batch`, the Triton kernel in
+`specd.kernels.rejection`) are for unseeded rows; the engine routes seeded rows to `verify_keyed`.
+Greedy requests ignore the seed and never draw E. The noise is drawn on the probabilities' device,
+so a seed reproduces its tokens on the same kind of device (CPU and CUDA generators differ).
 """
 
 from __future__ import annotations
@@ -80,7 +107,8 @@ class SamplingParams:
     min_p: float = 0.0
     """Drop tokens whose probability is below min_p times the most likely one's (0 = off)."""
     seed: int | None = None
-    """Seed of this request's generator, in `SEED_RANGE` (None = nondeterministic)."""
+    """In `SEED_RANGE`: a sampled request with a seed is sampled keyed by (seed, position) and gives
+    the same tokens whatever drafts for it (module docstring); None = nondeterministic."""
     stop_token_ids: tuple[int, ...] = ()
     """Generation ends after emitting one of these (it is included in the output)."""
     min_tokens: int = 0
@@ -141,6 +169,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def keyed(self) -> bool:
+        """Whether tokens are chosen by position-keyed sampling (module docstring): a sampled
+        request with a seed. Greedy requests ignore the seed."""
+        return self.seed is not None and not self.greedy
 
     @property
     def needs_history(self) -> bool:
@@ -255,6 +289,50 @@ def target_probs(logits: Tensor, params: SamplingParams) -> Tensor:
 def sample(probs: Tensor, generator: torch.Generator) -> Tensor:
     """One token per row of ``[num_rows, vocab]`` probabilities -> ``[num_rows]``."""
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+# ---------------------------------------------------------------------------- keyed sampling
+_MASK64 = 2**64 - 1
+
+
+def splitmix64(x: int) -> int:
+    """SplitMix64's step and output mix (Steele, Lea & Flood 2014, "Fast Splittable Pseudorandom
+    Number Generators"): a bijection of 64-bit integers whose outputs pass BigCrush."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_key(seed: int, position: int) -> int:
+    """The generator seed of absolute position ``position`` of a request seeded ``seed``: a
+    function of the two alone, so every process that samples the request draws the same noise.
+    (Torch's CPU generator keeps the key's low 32 bits: two positions share their noise with
+    probability 2^-32, which changes no distribution.)"""
+    return splitmix64(splitmix64(seed) ^ position)
+
+
+def keyed_sample(probs: Tensor, seed: int, start: int) -> Tensor:
+    """Row r of ``[num_rows, vocab]`` (unnormalised) probabilities -> the keyed token at absolute
+    position ``start + r``: ``[num_rows]`` int64.
+
+    y = argmin_v E_v / p(v), E_v ~ Exp(1) from the generator keyed by (seed, position): the
+    exponential race, i.e. the Gumbel-max trick (Gumbel 1954; Maddison et al. 2014, "A* Sampling",
+    arXiv 1411.0030): P(y = v) = p(v) / sum(p) exactly, and p(v) = 0 is never chosen (E / 0 = inf).
+    One ``torch.rand(vocab)`` per row, in fp64 so that E has 53 bits, never 24.
+    """
+    num_rows, vocab = probs.shape
+    device = probs.device
+    generator = torch.Generator(device=device)
+    uniforms = torch.empty(num_rows, vocab, dtype=torch.float64, device=device)
+    for r in range(num_rows):
+        generator.manual_seed(position_key(seed, start + r))
+        torch.rand(vocab, dtype=torch.float64, generator=generator, device=device, out=uniforms[r])
+    race = uniforms.log_().neg_() / probs.double()  # E / p; U = 0 gives E = inf: that token loses
+    tokens = race.argmin(-1)
+    if not bool((probs.gather(1, tokens[:, None]) > 0).all()):  # also NaN rows
+        raise ValueError("cannot sample from a distribution with no mass (all probabilities are 0)")
+    return tokens
 
 
 # ---------------------------------------------------------------------------- verification
@@ -386,6 +464,7 @@ def verify_batch(
     mixes deterministic and stochastic drafters passes one-hot rows of q for the deterministic
     ones: that gives the same results as None. Each sequence draws from its own generator
     exactly what `verify_block` would draw, so its output does not depend on the batch.
+    For unseeded rows: a seeded request's block goes to `verify_keyed` (the engine routes it).
     """
     num_seqs = cu_num_draft_tokens.shape[0] - 1
     if num_seqs < 0 or cu_num_draft_tokens.dim() != 1:
@@ -473,7 +552,8 @@ def verify_tree(
     child without drawing; the correction or bonus is the argmax.
 
     Stochastic siblings would need each sibling drawn independently from q (SpecInfer's
-    multi-step rule), which merging shared prefixes breaks, so they are refused.
+    multi-step rule), which merging shared prefixes breaks, so they are refused. A seeded request's
+    tree goes to `verify_tree_keyed` instead.
     """
     num_nodes = tree.num_nodes
     if target_probs.dim() != 2 or target_probs.shape[0] != num_nodes + 1:
@@ -509,5 +589,64 @@ def verify_tree(
             residual[tokens[child]] = 0.0
         else:
             return path, _sample_one(residual, generator)  # correction (bonus when slot is a leaf)
+        path.append(child)
+        slot = child + 1
+
+
+def verify_keyed(
+    draft_tokens: Sequence[int],  # [B]
+    target_probs: Tensor,  # [B + 1, vocab] fp32, from `target_probs` with the request's params
+    seed: int,
+    start: int,  # absolute position of the block's first token: the committed context's length
+) -> VerifyResult:
+    """Verify one drafted block of a seeded request (module docstring): row i's keyed token y_i
+    (position ``start + i``) is the plain-decoding token there; x_i is accepted while x_i == y_i,
+    the first mismatch emits y_i, a fully accepted block emits the bonus y_B. q is not needed.
+
+    Rows are drawn lazily: a block costs k + 1 draws of E, whatever its length. The one-call
+    counterpart of `verify_block` for seeded rows (what `verify_batch` does not cover).
+    """
+    num_draft_tokens = len(draft_tokens)
+    if target_probs.dim() != 2 or target_probs.shape[0] != num_draft_tokens + 1:
+        raise ValueError(
+            f"target_probs must be [B + 1, vocab] = [{num_draft_tokens + 1}, V], got {tuple(target_probs.shape)}"
+        )
+    num_accepted = 0
+    while True:
+        token = int(keyed_sample(target_probs[num_accepted : num_accepted + 1], seed, start + num_accepted))
+        if num_accepted == num_draft_tokens or int(draft_tokens[num_accepted]) != token:
+            break
+        num_accepted += 1
+    return VerifyResult(num_draft_tokens=num_draft_tokens, num_accepted=num_accepted,
+                        accepted_tokens=[int(t) for t in draft_tokens[:num_accepted]], next_token=token)
+
+
+def verify_tree_keyed(
+    tree: TokenTree,
+    target_probs: Tensor,  # [num_nodes + 1, vocab]: row 0 at the root, row 1 + i after node i
+    seed: int,
+    start: int,  # absolute position of the root's children: the committed context's length
+) -> tuple[list[int], int]:
+    """`verify_tree` for a seeded request: at each depth d (the root first) the keyed token y of
+    position ``start + d`` is computed from that slot's row; the child whose token is y is
+    accepted and descended into, else y is emitted (correction, or bonus after a leaf). Any
+    candidates, stochastic or not: the committed tokens are plain decoding's."""
+    num_nodes = tree.num_nodes
+    if target_probs.dim() != 2 or target_probs.shape[0] != num_nodes + 1:
+        raise ValueError(
+            f"target_probs must be [num_nodes + 1, vocab] = [{num_nodes + 1}, V], got {tuple(target_probs.shape)}"
+        )
+    if num_nodes and bool((tree.anchors != tree.anchors[0]).any()):
+        raise ValueError("a verification tree continues one context: every node must share one anchor")
+    children: dict[tuple[int, int], int] = {}  # (parent slot, token) -> node; the first sibling wins
+    for node, (parent, token) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist())):
+        children.setdefault((parent + 1, token), node)
+    path: list[int] = []
+    slot = 0
+    while True:
+        token = int(keyed_sample(target_probs[slot : slot + 1], seed, start + len(path)))
+        child = children.get((slot, token))
+        if child is None:
+            return path, token
         path.append(child)
         slot = child + 1

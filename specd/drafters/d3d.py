@@ -34,7 +34,7 @@ from specd.drafters.base import (
     check_block_size,
 )
 from specd.models.d3d import D3DModel, DraftPass, MaskGroup, build_draft_pass
-from specd.sampling import SamplingParams, sample, target_probs
+from specd.sampling import SamplingParams, keyed_sample, sample, target_probs
 from specd.scheduler import RowAllocator
 from specd.tree import TokenTree
 
@@ -178,8 +178,18 @@ class D3DDrafter(Drafter):
                 logits[has_parent, 0] = self.model.ar_head(parent_states).float()
         return draft_pass, logits
 
-    def _block(self, seq: _Seq, logits: Tensor, block_size: int, params: SamplingParams) -> DraftBlock:
-        """A block from one group's logits ``[block_size + 1, vocab]`` (the last guesses the bonus)."""
+    def _block(
+        self, seq: _Seq, logits: Tensor, block_size: int, params: SamplingParams, start: int | None = None
+    ) -> DraftBlock:
+        """A block from one group's logits ``[block_size + 1, vocab]`` (the last guesses the bonus).
+
+        ``start`` is the absolute position of the block's first token (the length of the context
+        it continues). A seeded sampled request's tokens are then drawn by the keyed race over q
+        with the target's keys (`specd.sampling.keyed_sample`): drafter and target share their
+        noise, so where q is close to p the drafted token is mostly the one the target will choose
+        (a coupling). Without ``start`` (or a seed) they come from the sequence's generator (a
+        seeded request's output is the same either way: only how much of a block is accepted changes).
+        """
         dists = logits.softmax(-1)  # the drafter's own beliefs, for planning outcomes
         if params.greedy:
             tokens = dists[:block_size].argmax(-1)
@@ -187,7 +197,10 @@ class D3DDrafter(Drafter):
             accept = dists[torch.arange(block_size), tokens]
         else:
             probs = target_probs(logits[:block_size], params)  # q: what the tokens are sampled from
-            tokens = sample(probs, seq.generator)
+            if params.keyed and start is not None:
+                tokens = keyed_sample(probs, params.seed, start)
+            else:
+                tokens = sample(probs, seq.generator)
             accept = probs[torch.arange(block_size), tokens]
         # The drafter's belief that each position is accepted, all earlier ones included.
         confidence = accept.cumprod(0)
@@ -215,7 +228,8 @@ class D3DDrafter(Drafter):
         for g, (seq, request) in enumerate(zip(seqs, requests)):
             self._finish(seq, draft_pass, known[seq.row])
             seq.returned = []
-            blocks.append(self._block(seq, logits[g, : request.block_size + 1], request.block_size, request.params))
+            blocks.append(self._block(seq, logits[g, : request.block_size + 1], request.block_size, request.params,
+                                      start=len(request.context)))
         return blocks
 
     @torch.no_grad()
@@ -253,8 +267,10 @@ class D3DDrafter(Drafter):
         for seq, request, mine in zip(seqs, requests, outcome_groups):
             self._finish(seq, draft_pass, known[seq.row])
             seq.returned = []
+            # The block for outcome (k, c) continues context + block[:k] + [c].
             results.append({
-                outcome: self._block(seq, logits[g, : request.block_size + 1], request.block_size, request.params)
+                outcome: self._block(seq, logits[g, : request.block_size + 1], request.block_size, request.params,
+                                     start=len(request.context) + outcome[0] + 1)
                 for outcome, g in mine.items()
             })
         return results

@@ -36,6 +36,9 @@ Design choices:
   argmax unchanged, and a soft q must not move the greedy token.)
 - A row with no mass at all (only with a caller's bug) gives next token -1 for a sampled sequence;
   `verify_batch_fast` turns that into a ValueError like `verify_block`'s.
+- **Unseeded rows only.** A seeded sampled request is verified by `specd.sampling.verify_keyed`
+  (noise keyed by seed and position, so its tokens do not depend on the drafts, the batch or the
+  block size): a caller routes its rows there, not here.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The speculative engine is lossless: greedy output equals plain greedy output, token for token."""
+"""The speculative engine is lossless: greedy output equals plain greedy output, token for token,
+and a seeded sampled request gives plain decoding's tokens for its seed, whatever drafts for it."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from specd.models.qwen3_next import FLAVOURS as NEXT_FLAVOURS
 from specd.models.qwen3_next import Qwen3NextForCausalLM
 from specd.models.sparse import FLAVOURS as SPARSE_FLAVOURS
 from specd.models.sparse import SparseForCausalLM
-from specd.sampling import SamplingParams
+from specd.sampling import SamplingParams, keyed_sample
 
 VOCAB = FLAVOURS["debug"].vocab_size
 
@@ -294,17 +295,34 @@ class _NoisyTargetDrafter(Drafter):
                 uniform = torch.zeros_like(p)
                 uniform[row.topk(8).indices] = 1 / 8
                 q = 0.6 * p + 0.4 * uniform
-                token = int(torch.multinomial(q, 1, generator=self.generator))
+                if request.params.keyed:  # coupled with the target's keyed choice at this position
+                    token = int(keyed_sample(q[None], request.params.seed, len(contexts[b])))
+                else:
+                    token = int(torch.multinomial(q, 1, generator=self.generator))
                 tokens[b].append(token)
                 probs[b].append(q)
                 contexts[b].append(token)
         return [DraftBlock(tokens=t, probs=torch.stack(q), confidence=[0.5] * len(t)) for t, q in zip(tokens, probs)]
 
 
-@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
-def test_sampled_engine_output_has_the_target_distribution(temperature, top_p):
+class _CountedGeneratorEngine(SpeculativeEngine):
+    """The engine, with the generator of the n-th sequence it starts seeded n: unseeded requests
+    (the rejection sampler's path) made reproducible for a distribution test."""
+
+    num_started = 0
+
+    def start(self, seq_id, prompt, params, row):
+        seq = super().start(seq_id, prompt, params, row)
+        seq.generator.manual_seed(self.num_started)
+        self.num_started += 1
+        return seq
+
+
+@pytest.mark.parametrize("temperature, top_p, seeded", [(1.0, 1.0, True), (0.7, 0.9, True), (1.0, 1.0, False), (0.7, 0.9, False)])
+def test_sampled_engine_output_has_the_target_distribution(temperature, top_p, seeded):
     """20k two-token samples through the engine (stochastic drafts with a full q) against the
-    exact distribution of the target's first two tokens."""
+    exact distribution of the target's first two tokens: seeded requests (keyed sampling, drafts
+    coupled) and unseeded ones (the rejection sampler)."""
     torch.manual_seed(7)
     target = Qwen3ForCausalLM(FLAVOURS["debug"]).eval()  # unsharpened: several tokens survive top-p
     from stats_check import chi_square_check
@@ -323,13 +341,13 @@ def test_sampled_engine_output_has_the_target_distribution(temperature, top_p):
                 exact[(t1, t2)] = float(first[t1] * second[t2])
     assert len(exact) >= 6  # a distribution worth testing, not a near-certain outcome
     batch = 200
-    engine = SpeculativeEngine(target, _NoisyTargetDrafter(target),
-                               EngineConfig(max_num_seqs=batch, block_size=3, mode="sync", adaptive_block=False))
+    engine = _CountedGeneratorEngine(target, _NoisyTargetDrafter(target),
+                                     EngineConfig(max_num_seqs=batch, block_size=3, mode="sync", adaptive_block=False))
     samples = []
     for call in range(100):
-        seeded = [SamplingParams(max_tokens=2, temperature=temperature, top_k=4, top_p=top_p, seed=call * batch + i)
-                  for i in range(batch)]
-        samples.extend(tuple(g.token_ids) for g in engine.generate([prompt] * batch, seeded))
+        requests = [SamplingParams(max_tokens=2, temperature=temperature, top_k=4, top_p=top_p,
+                                   seed=call * batch + i if seeded else None) for i in range(batch)]
+        samples.extend(tuple(g.token_ids) for g in engine.generate([prompt] * batch, requests))
     engine.close()
     ok, report = chi_square_check(samples, exact)
     assert ok, report
@@ -359,3 +377,100 @@ def test_draft_headroom_drafts_what_is_verified_and_stays_lossless(target, draft
     assert any(size < 16 for size, _ in asked[1:]), "the drafted block never followed the chosen length"
     with pytest.raises(ValueError, match="draft_headroom"):
         EngineConfig(draft_headroom=0)
+
+
+# ---------------------------------------------------------------------------- seeded sampling
+class _DyingDrafter(Drafter):
+    """A D3D drafter that becomes unreachable after ``calls`` calls: killed mid-request."""
+
+    name = "dying"
+
+    def __init__(self, inner: D3DDrafter, calls: int):
+        self.inner, self.calls = inner, calls
+        self.vocab_size, self.max_block, self.can_speculate = inner.vocab_size, inner.max_block, inner.can_speculate
+
+    def _call(self, method, requests):
+        self.calls -= 1
+        if self.calls < 0:
+            raise DrafterUnavailable("killed")
+        return method(requests)
+
+    def draft(self, requests):
+        return self._call(self.inner.draft, requests)
+
+    def speculate(self, requests):
+        return self._call(self.inner.speculate, requests)
+
+    def release(self, seq_id):
+        self.inner.release(seq_id)
+
+
+SEEDED = [  # ragged batch: one of each kind of sampled request, each with its own seed
+    SamplingParams(max_tokens=24, temperature=1.0, seed=11),
+    SamplingParams(max_tokens=17, temperature=0.8, top_k=20, seed=2**64 - 1),
+    SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=0),
+    SamplingParams(max_tokens=20, temperature=1.0, top_k=50, top_p=0.95, repetition_penalty=1.3, seed=12345),
+]
+
+DRAFTERS = {
+    "ngram": lambda target, model, rows: NgramDrafter(vocab_size=VOCAB),
+    "d3d": lambda target, model, rows: D3DDrafter(model, max_num_seqs=rows),
+    "d3d-killed": lambda target, model, rows: _DyingDrafter(D3DDrafter(model, max_num_seqs=rows), calls=3),
+    "noisy-target": lambda target, model, rows: _NoisyTargetDrafter(target),
+}
+
+
+@pytest.fixture(scope="module")
+def sampled_target():
+    """A target whose sampled text at T = 1 is neither near-greedy nor near-uniform."""
+    torch.manual_seed(3)
+    model = Qwen3ForCausalLM(FLAVOURS["debug"]).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3)
+    return model
+
+
+@pytest.fixture(scope="module")
+def seeded_expected(sampled_target):
+    """Plain in-process decoding of the seeded requests: batch 1 and the ragged batch of 4."""
+    batch = prompts(4)
+    return {1: autoregressive(sampled_target, batch[:1], SEEDED[:1]), 4: autoregressive(sampled_target, batch, SEEDED)}
+
+
+def test_seeded_plain_decoding_is_reproducible_and_seed_dependent(sampled_target, seeded_expected):
+    """The reference itself: the same seed gives the same tokens in another batch (batch 1 vs 4,
+    the engine without a drafter), another seed other tokens (so the tests below can fail)."""
+    batch = prompts(4)
+    assert seeded_expected[1][0].token_ids == seeded_expected[4][0].token_ids
+    engine = SpeculativeEngine(sampled_target, None, EngineConfig(max_num_seqs=4, block_size=0))
+    assert [g.token_ids for g in engine.generate(batch, SEEDED)] == [g.token_ids for g in seeded_expected[4]]
+    other = [dataclasses.replace(p, seed=p.seed ^ 1) for p in SEEDED]
+    reseeded = autoregressive(sampled_target, batch, other)
+    for a, b in zip(reseeded, seeded_expected[4]):
+        assert a.token_ids != b.token_ids
+    # Sampling, not greedy: most outputs leave the argmax path somewhere.
+    greedy = autoregressive(sampled_target, batch, [dataclasses.replace(p, temperature=0.0) for p in SEEDED])
+    assert sum(g.token_ids != e.token_ids for g, e in zip(greedy, seeded_expected[4])) >= 3
+
+
+@pytest.mark.parametrize("num_seqs", [1, 4])
+@pytest.mark.parametrize("block_size", [2, 8])
+@pytest.mark.parametrize("drafter, mode", [("ngram", "sync"), ("noisy-target", "sync"), ("d3d", "sync"),
+                                           ("d3d", "async"), ("d3d-killed", "sync"), ("d3d-killed", "async")])
+def test_seeded_sampling_equals_plain_decoding_whatever_drafts(
+    sampled_target, drafter_model, seeded_expected, drafter, mode, block_size, num_seqs
+):
+    """Same seed, same tokens: `SpeculativeEngine.generate` with any drafter (one killed
+    mid-request included), sync or async, any block size and batch gives exactly plain decoding's."""
+    batch = prompts(4)[:num_seqs]
+    engine = SpeculativeEngine(sampled_target, DRAFTERS[drafter](sampled_target, drafter_model, num_seqs),
+                               EngineConfig(max_num_seqs=num_seqs, block_size=block_size, mode=mode))
+    got = engine.generate(batch, SEEDED[:num_seqs])
+    engine.close()
+    assert [g.token_ids for g in got] == [e.token_ids for e in seeded_expected[num_seqs]]
+    stats = engine.stats
+    assert stats.num_draft_tokens > 0, "no drafted token was verified: the test would not test speculation"
+    if drafter == "noisy-target":  # coupled drafts of a close q: often accepted, sometimes not
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    if drafter == "d3d-killed":
+        assert engine.drafter is None

@@ -1,6 +1,7 @@
 """The rejection sampler is lossless: greedy is the argmax rule, sampled output has the target's
 distribution (and a deliberately broken sampler is caught by the same check), the batched form
-equals the per-sequence form, and trees of candidates are lossless too."""
+equals the per-sequence form, and trees of candidates are lossless too. Keyed (seeded) sampling is
+an exact sample of p, and its verification gives plain keyed decoding's tokens whatever was drafted."""
 
 from __future__ import annotations
 
@@ -16,11 +17,15 @@ from specd.drafters.base import check_block_size
 from specd.sampling import (
     SamplingParams,
     VerifyResult,
+    keyed_sample,
+    position_key,
     target_probs,
     verify_batch,
     verify_block,
     verify_greedy,
+    verify_keyed,
     verify_tree,
+    verify_tree_keyed,
 )
 from specd.tree import TokenTree
 
@@ -348,3 +353,117 @@ def test_verify_greedy_equals_verify_block_on_one_hot_probs(seed):
     got = verify_greedy(block.tolist(), logits)
     assert (got.num_accepted, got.accepted_tokens, got.next_token) == (
         expected.num_accepted, expected.accepted_tokens, expected.next_token)
+
+
+# ---------------------------------------------------------------------------- keyed (seeded) sampling
+START = 5  # the Markov targets' first generated token sits after a 5-token prompt
+
+
+def keyed_direct(target: MarkovTarget, seed: int, choose=keyed_sample) -> tuple[int, int]:
+    """Plain keyed decoding of the first two tokens: position START, then START + 1."""
+    a = int(choose(target.p[0:1], seed, START))
+    return a, int(choose(target.p[a : a + 1], seed, START + 1))
+
+
+def broken_keyed_argmax_e_times_p(probs: torch.Tensor, seed: int, start: int) -> torch.Tensor:
+    """Wrong on purpose: argmax of E * p instead of argmin of E / p (same noise, same keys)."""
+    rows = []
+    for r in range(probs.shape[0]):
+        gen = torch.Generator().manual_seed(position_key(seed, start + r))
+        noise = -torch.rand(probs.shape[1], dtype=torch.float64, generator=gen).log()
+        rows.append(int((noise * probs[r].double()).argmax()))
+    return torch.tensor(rows)
+
+
+def keyed_speculative(target: MarkovTarget, seed: int, coupled: bool, gen: torch.Generator) -> tuple[int, int]:
+    """Draft blocks of BLOCK from q (keyed with the target's keys when ``coupled``, else from
+    ``gen``) and verify them with `verify_keyed` until two tokens are committed."""
+    emitted, state = [], 0
+    while len(emitted) < 2:
+        start, draft, prev = START + len(emitted), [], state
+        for i in range(BLOCK):
+            if coupled:
+                prev = int(keyed_sample(target.q[prev : prev + 1], seed, start + i))
+            else:
+                prev = int(torch.multinomial(target.q[prev], 1, generator=gen))
+            draft.append(prev)
+        result = verify_keyed(draft, target.p[torch.tensor([state, *draft])], seed, start)
+        target.accepted_lengths[result.num_accepted] += 1
+        emitted += result.output_tokens
+        state = emitted[-1]
+    return emitted[0], emitted[1]
+
+
+@pytest.mark.parametrize("name", list(SAMPLED))
+def test_keyed_choice_is_an_exact_sample(name):
+    """Over many seeds the keyed first two tokens have the target's distribution (p = 0 never
+    chosen); over many positions of one seed the keyed token of one p has p's distribution."""
+    target = MarkovTarget(SAMPLED[name], seed=7)
+    ok, msg = check_first_two([keyed_direct(target, seed) for seed in range(NUM_SAMPLES)], target)
+    print(f"\n{name}: keyed over seeds {msg}")
+    assert ok, msg
+    p = target.p[3]
+    tokens = keyed_sample(p.expand(NUM_SAMPLES, VOCAB), 2**64 - 1, 0).tolist()  # positions 0..N-1
+    ok, msg = chi_square_check(tokens, {v: float(p[v]) for v in range(VOCAB)})
+    print(f"{name}: keyed over positions {msg}")
+    assert ok, msg
+
+
+def test_the_check_rejects_a_broken_keyed_choice():
+    target = MarkovTarget(SAMPLED["t1"], seed=7)
+    ok, msg = check_first_two([keyed_direct(target, s, broken_keyed_argmax_e_times_p) for s in range(NUM_SAMPLES)], target)
+    print(f"\nbroken keyed choice: {msg}")
+    assert not ok, f"a broken keyed choice passed the distribution check: {msg}"
+
+
+def test_keyed_choice_depends_on_seed_and_position_only():
+    gen = generator(0)
+    p = random_probs(1, 64, SAMPLED["t1"], gen)
+    again = [int(keyed_sample(p, 9, t)) for t in range(200)]
+    assert again == keyed_sample(p.expand(200, 64), 9, 0).tolist()  # one row at a time or all together
+    assert again != [int(keyed_sample(p, 10, t)) for t in range(200)]  # another seed, other tokens
+    assert len(set(again)) > 10
+    with pytest.raises(ValueError, match="no mass"):
+        keyed_sample(torch.zeros(1, 8), 0, 0)
+    assert SamplingParams(temperature=1.0, seed=0).keyed
+    assert not SamplingParams(temperature=1.0).keyed
+    assert not SamplingParams(temperature=0.0, seed=3).keyed  # greedy ignores the seed
+
+
+@pytest.mark.parametrize("name", list(SAMPLED))
+def test_keyed_verification_gives_plain_keyed_tokens(name):
+    """Pathwise: whatever was drafted (coupled keyed drafts, independent ones), the committed tokens
+    are plain keyed decoding's for the same seed; the coupling is accepted more often."""
+    target = MarkovTarget(SAMPLED[name], seed=7)
+    gen = generator(11)
+    mean_k = {}
+    for coupled in (True, False):
+        target.accepted_lengths.clear()
+        for seed in range(2000):
+            assert keyed_speculative(target, seed, coupled, gen) == keyed_direct(target, seed), (coupled, seed)
+        counts = target.accepted_lengths
+        mean_k[coupled] = sum(k * n for k, n in counts.items()) / sum(counts.values())
+        assert all(counts[k] > 0 for k in range(BLOCK + 1)), f"every accepted length 0..B must occur: {counts}"
+    print(f"\n{name}: mean accepted length coupled {mean_k[True]:.3f}, independent {mean_k[False]:.3f}")
+    assert mean_k[True] > mean_k[False]
+
+
+def test_keyed_tree_verification_gives_plain_keyed_tokens():
+    target = TreeTarget(SAMPLED["t1"], seed=3)
+    num_accepted = Counter()
+    for seed in range(2000):
+        emitted, state = [], 0
+        while len(emitted) < 2:
+            tree, rows = target.trees[state]
+            path, token = verify_tree_keyed(tree, rows, seed, START + len(emitted))
+            num_accepted[len(path)] += 1
+            emitted += [int(tree.tokens[n]) for n in path] + [token]
+            state = emitted[-1]
+        assert tuple(emitted[:2]) == keyed_direct(target, seed)
+    assert all(num_accepted[k] > 0 for k in range(3)), num_accepted
+    # A chain tree is a block.
+    draft = [1, 2, 3]
+    rows = random_probs(4, VOCAB, SAMPLED["t1"], generator(1))
+    path, token = verify_tree_keyed(TokenTree.chain(draft, anchor=3), rows, 5, 3)
+    block = verify_keyed(draft, rows, 5, 3)
+    assert (path, token) == (list(range(block.num_accepted)), block.next_token)
