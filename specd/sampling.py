@@ -603,8 +603,7 @@ def verify_keyed(
     (position ``start + i``) is the plain-decoding token there; x_i is accepted while x_i == y_i,
     the first mismatch emits y_i, a fully accepted block emits the bonus y_B. q is not needed.
 
-    Rows are drawn lazily: a block costs k + 1 draws of E, whatever its length. The one-call
-    counterpart of `verify_block` for seeded rows (what `verify_batch` does not cover).
+    Rows are drawn lazily: a block costs k + 1 draws of E, whatever its length.
     """
     num_draft_tokens = len(draft_tokens)
     if target_probs.dim() != 2 or target_probs.shape[0] != num_draft_tokens + 1:
