@@ -78,5 +78,6 @@ class DFlashDrafter(D3DDrafter):
             seq.tokens = seq.tokens + tokens
             self._observed[request.seq_id] = ([], [])
             seq.returned = []
-            blocks.append(self._block(seq, logits[g, : request.block_size + 1], request.block_size, request.params))
+            blocks.append(self._block(seq, logits[g, : request.block_size + 1], request.block_size, request.params,
+                                      start=len(request.context)))  # a seeded request drafts keyed
         return blocks
