@@ -26,6 +26,9 @@ Choices:
 - **A reference is plain decoding of the same prompt and params**; a batch computes most of them,
   and one that disagrees with the service is decoded again alone before it counts as a mismatch
   (a batch may round a float sum differently from a single sequence).
+- **RSS at the start is read after a warm-up** of one request per stream at once, so that the
+  rows the verifier allocates for that many sequences are in it: what the end is compared with
+  is the stack at the run's concurrency, not an idle one.
 - **Drafters serve /metrics on a free port** (``--metrics-port 0``): the run reads each one's
   port from its log, after every restart.
 """
@@ -34,8 +37,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections import Counter
@@ -45,14 +50,16 @@ from pathlib import Path
 import redis
 from matplotlib.figure import Figure
 
-from services.chaos.check import CheckResult, RecoveryRule, check_all, output_matches, percentile
+from services.chaos.check import RecoveryRule, check_all, output_matches, percentile
 from services.chaos.faults import FAILPOINT, FAILPOINT_SECONDS, KINDS, Injector, schedule
 from services.chaos.load import (
+    MIN_NEW_TOKENS,
     Client,
     Load,
     PromptPool,
     Recorder,
     completed_latencies,
+    draw,
     metrics_url,
     read_metrics,
     rss_bytes,
@@ -115,6 +122,7 @@ def chaos(settings: ChaosSettings, target: str, drafter: str, workdir: Path) -> 
         verifier = stack.verifiers[0]
         client = Client(verifier.http, verifier.grpc, token=TOKEN, model=Path(target).name, origin=time.monotonic())
         max_model_len = _max_model_len(verifier.http)
+        _warm_up(client, pool, settings)
         observations = Observations()
         _snapshot_before(stack, observations)
         plan = schedule(settings.seed, settings.seconds, settings.fault_every, [d.name for d in stack.drafters])
@@ -157,6 +165,20 @@ def chaos(settings: ChaosSettings, target: str, drafter: str, workdir: Path) -> 
             "observations": asdict(observations), "requests": [asdict(r) for r in requests]}
 
 
+def _warm_up(client: Client, pool: PromptPool, settings: ChaosSettings) -> None:
+    """One request per stream, all at once (not recorded): the verifier's rows for that many
+    sequences are allocated before the RSS it starts the load with is read."""
+    rng = random.Random(settings.seed)
+    records = [draw(rng, pool, 0.0, i) for i in range(settings.streams)]
+    for record in records:
+        record.transport, record.params["max_tokens"] = "grpc", MIN_NEW_TOKENS
+    threads = [threading.Thread(target=client.send, args=(r,), daemon=True) for r in records]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
 def _max_model_len(http: str) -> int:
     request = urllib.request.Request(f"{http}/v1/models", headers={"Authorization": f"Bearer {TOKEN}"})
     with urllib.request.urlopen(request, timeout=10) as response:
@@ -179,10 +201,25 @@ def _drafter_samples(stack: Stack) -> dict[str, dict[str, float]]:
     return {d.name: samples for d in stack.drafters if (samples := read_metrics(metrics_url(d))) is not None}
 
 
-def _snapshot_before(stack: Stack, o: Observations) -> None:
-    o.verifier_before = read_metrics(stack.verifiers[0].http) or {}
+def _traces(samples: dict[str, float]) -> tuple[float, float]:
+    """The verifier's traces written and dropped (all reasons)."""
+    return (samples.get("specd:traces_written_total", 0.0),
+            sum(v for k, v in samples.items() if k.startswith("specd:traces_dropped_total")))
+
+
+def _snapshot_before(stack: Stack, o: Observations, timeout: float = 30.0) -> None:
+    """The services' records as the load begins: the stream's length is read between two reads
+    of the verifier's counters that agree (the warm-up's traces are being written meanwhile)."""
+    client, deadline = redis.Redis.from_url(stack.redis_url), time.monotonic() + timeout
+    while True:
+        first = read_metrics(stack.verifiers[0].http) or {}
+        o.stream_length_before = client.xlen(STREAM)
+        o.verifier_before = read_metrics(stack.verifiers[0].http) or {}
+        idle = not o.verifier_before.get("specd:num_requests_running", 1.0)
+        if (idle and _traces(first) == _traces(o.verifier_before)) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)  # the trace writer is still at the warm-up's traces
     o.drafters_before = _drafter_samples(stack)
-    o.stream_length_before = redis.Redis.from_url(stack.redis_url).xlen(STREAM)
     o.rss_start = {s.name: rss_bytes(s.process.pid) for s in stack.services}
 
 
@@ -210,8 +247,7 @@ def _settle(stack: Stack, o: Observations, timeout: float = 90.0) -> None:
             before = o.drafters_before.get(d.name, {}).get("specd:drafter_sequences", 0.0)
             if drafters.get(d.name, {}).get("specd:drafter_sequences", before + 1) > before:
                 waiting.append(f"{d.name} rows")
-        traces = (verifier.get("specd:traces_written_total"), sum(v for k, v in verifier.items()
-                                                                  if k.startswith("specd:traces_dropped_total")))
+        traces = _traces(verifier)
         if not waiting and traces == last:
             return
         last = traces
