@@ -119,3 +119,5 @@ class Observations:
     rss_start: dict[str, int] = field(default_factory=dict)
     """Service name -> VmRSS in bytes when the load began."""
     rss_end: dict[str, int] = field(default_factory=dict)
+    rss_samples: list[tuple[float, dict[str, int]]] = field(default_factory=list)
+    """(seconds, service name -> VmRSS) after each fault: the trend between start and end."""

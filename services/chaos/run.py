@@ -135,7 +135,7 @@ def chaos(settings: ChaosSettings, target: str, drafter: str, workdir: Path) -> 
         injector = Injector(stack, client, pool, recorder, seed=settings.seed, token=TOKEN,
                             drafter_timeout=DRAFTER_TIMEOUT, failpoint_log=workdir / "failpoints.jsonl",
                             vocab_size=vocab_size, max_model_len=max_model_len,
-                            report=lambda fault: _progress(fault, recorder, client.now()))
+                            report=lambda fault: _progress(fault, recorder, client.now(), stack, observations))
         load.start()
         injector.start(plan)
         try:
@@ -185,15 +185,17 @@ def _max_model_len(http: str) -> int:
         return json.load(response)["data"][0]["max_model_len"]
 
 
-def _progress(fault: FaultRecord, recorder: Recorder, now: float) -> None:
+def _progress(fault: FaultRecord, recorder: Recorder, now: float, stack: Stack, observations: Observations) -> None:
+    observations.rss_samples.append((round(now, 2), {s.name: rss_bytes(s.process.pid) for s in stack.services}))
     records = recorder.snapshot()
     recent = completed_latencies(records, since=now - 10.0)
     what = f"skipped: {fault.skipped}" if fault.skipped else ", ".join(
         f"{k}={v}" for k, v in fault.detail.items() if k in ("pid", "seconds", "inside_window_seconds", "cancelled",
                                                             "published", "version", "refused_by", "installed_by"))
     p99 = f"{percentile(recent, 0.99):.2f}s" if recent else "-"
+    verifier = observations.rss_samples[-1][1].get(stack.verifiers[0].name, 0) >> 20
     print(f"{fault.at:7.1f}s {fault.kind:<13}{fault.target:<10} {what}  [{len(records)} requests, p99 {p99} "
-          f"over 10s]", flush=True)
+          f"over 10s, verifier RSS {verifier} MiB]", flush=True)
 
 
 # ---------------------------------------------------------------------- the services' records
