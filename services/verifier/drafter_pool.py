@@ -181,6 +181,9 @@ class _Replica:
     warn_at: float = 0.0  # when down: the next "still down" warning is due
     warn_every: float = 0.0
     num_seqs: int = 0
+    orphans: set[int] = field(default_factory=set)
+    """Wire ids of sequences the pool no longer places here but this replica may still hold (it
+    was down, busy or lagging when they left or finished): released once it can be told."""
 
     def connect(self) -> drafter_pb2_grpc.DrafterStub:
         if self.stub is None:
@@ -271,19 +274,21 @@ class RemoteDrafters(Drafter):
 
     def release(self, seq_id: int) -> None:
         """Forget a finished sequence here and on its replica. Never raises, never waits on a busy
-        or down replica, and on a lagging one only as a call does (a replica that is not told
-        evicts the sequence on its own, LRU)."""
+        or down replica, and on a lagging one only as a call does. A replica that cannot be told
+        now is told when it answers again (its ``orphans``, with the sequences moved off it):
+        a replica that only hung still holds their rows, and no LRU pressure comes once the
+        load stops."""
         with self._lock:
             seq = self._seqs.pop(seq_id, None)
             if seq is None or seq.replica is None:
                 return
             replica = seq.replica
             replica.num_seqs -= 1
+            replica.orphans.add(seq.wire_id)
             if not replica.checked or replica.num_stragglers:
-                return
-        (outcome,) = self._wait([(replica, partial(self._release_on, replica, seq.wire_id))], learn=False)
-        if isinstance(outcome, _ReplicaFailed):
-            self._mark_dead(replica, str(outcome))
+                return  # told once it answers again (`_release_orphans`)
+            wire_ids, replica.orphans = sorted(replica.orphans), set()
+        self._release(replica, wire_ids)
 
     def close(self) -> None:
         self._closed.set()
@@ -396,13 +401,14 @@ class RemoteDrafters(Drafter):
         recorded what context the replica holds), its failure takes the replica out of use."""
         with self._lock:
             replica.num_stragglers -= 1
-        if future.cancelled():
-            return
-        outcome = future.result()
+        outcome = None if future.cancelled() else future.result()
         if isinstance(outcome, _ReplicaFailed):
             self._mark_dead(replica, str(outcome))
-        elif isinstance(outcome, Exception):
+            return
+        if isinstance(outcome, Exception):
             logger.warning("a drafter call to %s that was not waited for failed: %s", replica.address, outcome)
+        if not self._closed.is_set():
+            self._executor.submit(self._release_orphans, replica)  # not on the late job's own thread
         else:
             logger.info("drafter replica %s answered late (answer dropped); using it again", replica.address)
 
@@ -428,11 +434,13 @@ class RemoteDrafters(Drafter):
                 if seq.replica not in usable:
                     if seq.replica is not None:
                         seq.replica.num_seqs -= 1
+                        seq.replica.orphans.add(seq.wire_id)
                         seq.replica = None
                     if free:
                         fewest = min(r.num_seqs for r in free)
                         seq.replica = self._rng.choice([r for r in free if r.num_seqs == fewest])
                         seq.replica.num_seqs += 1
+                        seq.replica.orphans.discard(seq.wire_id)  # it is sent its whole context again
                     seq.sent = 0
                 if seq.replica is None or seq.replica.num_stragglers:
                     skipped.append(i)
@@ -552,12 +560,31 @@ class RemoteDrafters(Drafter):
             full = True  # _answered reset `sent`, so a follow-up carries whole contexts
         return results
 
-    def _release_on(self, replica: _Replica, wire_id: int) -> bool:
+    def _release(self, replica: _Replica, wire_ids: list[int]) -> None:
+        """Tell ``replica`` to forget ``wire_ids``, waiting as a call does; ids it was not told are
+        its orphans again, for the next time it answers."""
+        (outcome,) = self._wait([(replica, partial(self._release_on, replica, wire_ids))], learn=False)
+        if outcome is not True:
+            with self._lock:
+                replica.orphans.update(wire_ids)
+        if isinstance(outcome, _ReplicaFailed):
+            self._mark_dead(replica, str(outcome))
+
+    def _release_orphans(self, replica: _Replica) -> None:
+        """Release what ``replica`` was not told while it was down or busy, now that it answers
+        (a hung replica that comes back, unlike a restarted one, still holds those rows)."""
+        with self._lock:
+            if not replica.orphans or not replica.checked or replica.num_stragglers:
+                return
+            wire_ids, replica.orphans = sorted(replica.orphans), set()
+        self._release(replica, wire_ids)
+
+    def _release_on(self, replica: _Replica, wire_ids: list[int]) -> bool:
         with replica.lock:
             if replica.stub is None:
                 return False
             try:
-                replica.stub.Release(drafter_pb2.ReleaseRequest(seq_ids=[wire_id]), timeout=self.timeout)
+                replica.stub.Release(drafter_pb2.ReleaseRequest(seq_ids=wire_ids), timeout=self.timeout)
             except grpc.RpcError as err:
                 raise _ReplicaFailed(f"{replica.address}: Release failed: {err.code().name}: {err.details()}") from err
         return True
@@ -624,6 +651,7 @@ class RemoteDrafters(Drafter):
             down_since, replica.down_since = replica.down_since, None
         if down_since is not None:
             logger.info("drafter replica %s is back after %.1fs", replica.address, time.monotonic() - down_since)
+        self._release_orphans(replica)
 
     def _start_probe(self, replica: _Replica, delay: float) -> None:
         """A thread that asks ``replica``'s Info after ``delay``, then every ``retry_seconds``, until
@@ -693,6 +721,7 @@ class RemoteDrafters(Drafter):
         for seq in self._seqs.values():
             if seq.replica is replica:
                 seq.replica, seq.sent = None, 0
+                replica.orphans.add(seq.wire_id)
         replica.num_seqs = 0
 
 

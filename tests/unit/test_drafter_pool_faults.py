@@ -323,3 +323,38 @@ def test_greedy_through_a_pool_with_a_hung_replica_is_plain_greedy(checkpoint, r
         assert engine.drafter is pool, "the pool failed during decoding"
         assert seconds < TIMEOUT
         assert pool.stats.num_stragglers >= 1 and engine.stats.num_candidate_lookups > 0
+
+
+# ---------------------------------------------------------------------------- rows of a hung replica
+def test_release_for_a_replica_taken_for_down_frees_its_rows_when_it_returns(checkpoint, replicas):
+    """Found by `specd bench chaos`: a SIGSTOPped drafter that came back held the rows of every
+    sequence that finished (or moved off it) while it was down, long after the load stopped."""
+    (healthy, a), (sick, b) = replicas
+    with pool_of(a, b) as pool:
+        contexts = {s: prompt(40 + s, 6 + s) for s in range(4)}
+        placed(pool, checkpoint, contexts)
+        assert len(sick._contexts) == 2 and len(healthy._contexts) == 2
+        sick.hang()
+        pool.draft(drafts(contexts))  # the hung part is left running
+        poll(lambda: pool.states()[b] == "down", "the hung replica was taken out of use")
+        for seq_id in contexts:  # every sequence finishes while it is down
+            pool.release(seq_id)
+        assert len(healthy._contexts) == 0 and len(sick._contexts) == 2  # it could not be told
+        sick.resume()
+        poll(lambda: pool.states()[b] == "live", "the replica came back")
+        poll(lambda: len(sick._contexts) == 0, "the returned replica was told to release its rows")
+
+
+def test_release_for_a_busy_replica_frees_its_rows_once_its_late_answer_comes(checkpoint, replicas):
+    (_, a), (sick, b) = replicas
+    with pool_of(a, b) as pool:
+        contexts = {s: prompt(50 + s, 6 + s) for s in range(4)}
+        placed(pool, checkpoint, contexts)
+        sick.hang()
+        pool.draft(drafts(contexts))
+        assert pool.states()[b] == "busy"
+        for seq_id in contexts:
+            pool.release(seq_id)
+        sick.resume()  # before the deadline: a late answer, the replica never down
+        poll(lambda: len(sick._contexts) == 0, "the busy replica was told once it answered")
+        assert pool.stats.num_replica_failures == 0
