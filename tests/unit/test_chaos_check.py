@@ -195,6 +195,15 @@ def test_a_leaked_row_or_a_growing_verifier_fails_rows(run):
     grown = copy.deepcopy(observations)
     grown.rss_end["verifier-0"] = 600 * MIB
     assert "RSS grew" in check_rows(grown).problems[0]
+    # Warming up is not a leak: grown early in the run and no further, it passes; growing on, it fails.
+    warming = copy.deepcopy(observations)
+    warming.rss_samples = [(10.0 * i, {"verifier-0": (300 + 200 * (i >= 1)) * MIB}) for i in range(9)]
+    warming.rss_end["verifier-0"] = 520 * MIB
+    assert check_rows(warming).passed and check_rows(warming).figures["rss"]["verifier-0"]["warm_mib"] == 500.0
+    leaking = copy.deepcopy(warming)
+    leaking.rss_samples = [(10.0 * i, {"verifier-0": (300 + 60 * i) * MIB}) for i in range(9)]
+    leaking.rss_end["verifier-0"] = 840 * MIB
+    assert "a leak" in check_rows(leaking).problems[0]
     assert check_rows(observations).figures["rss"]["drafter-0"] == {"start_mib": 200.0, "end_mib": 210.0}
 
 
