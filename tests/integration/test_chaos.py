@@ -22,9 +22,9 @@ pytestmark = pytest.mark.zoo
 
 
 def test_quick_chaos_run_passes_every_check(tmp_path):
-    # Seed 1's schedule kills each drafter after the SIGSTOP, and a kill frees a replica's rows.
-    # Other seeds can leave the stopped drafter holding sequences the verifier never released
-    # (its pool drops a Release for a replica it took for down or busy), which `rows` reports.
+    # The schedule's first runs found a stopped drafter that came back holding the rows of the
+    # sequences that finished while it was down: `rows` reports that (the pool now releases them,
+    # tests/unit/test_drafter_pool_faults.py), whatever the seed.
     zoo.ensure("qwen3-tiny"), zoo.ensure("d3d-qwen3-tiny")
     report_path = tmp_path / "chaos.json"
     command = [sys.executable, "-m", "specd.cli", "bench", "chaos", "--quick", "--seed", "1",
