@@ -45,7 +45,9 @@ def stream_completion(base_url: str, path: str, body: dict, *, token: str = "", 
     start = time.perf_counter()
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     with _request(base_url + path, body, token, timeout) as response:
-        for chunk in _events(response):
+        for chunk in sse_events(response):
+            if chunk is None:
+                break
             now = time.perf_counter() - start
             usage = chunk.get("usage")
             if usage:
@@ -84,13 +86,16 @@ def grpc_completion(stub, prompt: list[int], max_tokens: int, *, timeout: float 
     return result
 
 
-def _events(response) -> Iterator[dict]:
+def sse_events(response) -> Iterator[dict | None]:
+    """The JSON events of an OpenAI-style SSE stream, then None once for its ``[DONE]`` (a stream
+    that ends without yielding None was cut short)."""
     for raw in response:
         line = raw.decode().strip()
         if not line.startswith("data:"):
             continue
         data = line[len("data:"):].strip()
         if data == "[DONE]":
+            yield None
             return
         yield json.loads(data)
 

@@ -528,6 +528,18 @@ def verify_batch(
     return results
 
 
+def _check_tree_inputs(tree: TokenTree, target_probs: Tensor) -> int:
+    """``tree``'s node count, after checking that ``target_probs`` has a row per node plus the root's."""
+    num_nodes = tree.num_nodes
+    if target_probs.dim() != 2 or target_probs.shape[0] != num_nodes + 1:
+        raise ValueError(
+            f"target_probs must be [num_nodes + 1, vocab] = [{num_nodes + 1}, V], got {tuple(target_probs.shape)}"
+        )
+    if num_nodes and bool((tree.anchors != tree.anchors[0]).any()):
+        raise ValueError("a verification tree continues one context: every node must share one anchor")
+    return num_nodes
+
+
 def verify_tree(
     tree: TokenTree,
     draft_probs: Tensor | None,  # [num_nodes, vocab] fp32 (q of each node's token); None = deterministic
@@ -555,13 +567,7 @@ def verify_tree(
     multi-step rule), which merging shared prefixes breaks, so they are refused. A seeded request's
     tree goes to `verify_tree_keyed` instead.
     """
-    num_nodes = tree.num_nodes
-    if target_probs.dim() != 2 or target_probs.shape[0] != num_nodes + 1:
-        raise ValueError(
-            f"target_probs must be [num_nodes + 1, vocab] = [{num_nodes + 1}, V], got {tuple(target_probs.shape)}"
-        )
-    if num_nodes and bool((tree.anchors != tree.anchors[0]).any()):
-        raise ValueError("a verification tree continues one context: every node must share one anchor")
+    num_nodes = _check_tree_inputs(tree, target_probs)
     if tree.is_chain():
         result = verify_block(tree.tokens.to(target_probs.device), draft_probs, target_probs, generator)
         return list(range(result.num_accepted)), result.next_token
@@ -630,13 +636,7 @@ def verify_tree_keyed(
     position ``start + d`` is computed from that slot's row; the child whose token is y is
     accepted and descended into, else y is emitted (correction, or bonus after a leaf). Any
     candidates, stochastic or not: the committed tokens are plain decoding's."""
-    num_nodes = tree.num_nodes
-    if target_probs.dim() != 2 or target_probs.shape[0] != num_nodes + 1:
-        raise ValueError(
-            f"target_probs must be [num_nodes + 1, vocab] = [{num_nodes + 1}, V], got {tuple(target_probs.shape)}"
-        )
-    if num_nodes and bool((tree.anchors != tree.anchors[0]).any()):
-        raise ValueError("a verification tree continues one context: every node must share one anchor")
+    num_nodes = _check_tree_inputs(tree, target_probs)
     children: dict[tuple[int, int], int] = {}  # (parent slot, token) -> node; the first sibling wins
     for node, (parent, token) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist())):
         children.setdefault((parent + 1, token), node)

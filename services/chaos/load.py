@@ -26,7 +26,7 @@ import grpc
 import numpy as np
 
 from services.chaos.records import BAD, CANCEL, GREEDY, OK, SAMPLED, RequestRecord
-from services.client import metrics
+from services.client import metrics, sse_events
 from services.common.config import ServiceConfig
 from services.common.server import open_channel
 from services.up import Service
@@ -196,14 +196,9 @@ class Client:
     @staticmethod
     def _events(record: RequestRecord, response, cancel_after: int) -> None:
         chunks = 0
-        for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[len("data:"):].strip()
-            if data == "[DONE]":
+        for event in sse_events(response):
+            if event is None:  # [DONE]
                 return
-            event = json.loads(data)
             if "error" in event:  # an error after the stream began: its last event
                 record.status, record.error = "stream_error", json.dumps(event["error"])[:300]
                 return
