@@ -110,8 +110,8 @@ def test_sampled_drafts_never_propose_a_token_outside_the_vocabulary(target):
     proposed = []
     original = drafter._block
 
-    def spy(seq, logits, block_size, sampling):
-        block = original(seq, logits, block_size, sampling)
+    def spy(seq, logits, block_size, sampling, start=None):  # seeded: drafted keyed, from start
+        block = original(seq, logits, block_size, sampling, start=start)
         proposed.extend(block.tokens)
         return block
 
