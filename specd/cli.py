@@ -255,6 +255,7 @@ def cmd_train_opd(args: argparse.Namespace) -> int:
 def cmd_bench_decode(args: argparse.Namespace) -> int:
     settings = DecodeSettings.quick() if args.quick else DecodeSettings()
     settings.target = args.target
+    settings.seeded = args.seeded
     if args.methods:
         settings.methods = tuple(args.methods.split(","))
         unknown = sorted(set(settings.methods) - set(METHODS))
@@ -463,6 +464,8 @@ def parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     decode.add_argument("--temperatures", help="comma-separated, e.g. 0 or 0,1")
     decode.add_argument("--batch-sizes", help="comma-separated, e.g. 1,4 (the first is the summary's)")
     decode.add_argument("--block-sizes", help="comma-separated draft blocks, e.g. 4,8")
+    decode.add_argument("--seeded", action="store_true",
+                        help="seed every sampled request: measure keyed sampling, not the rejection sampler")
     decode.add_argument("--out", default="out/bench", help="directory for plots and JSON")
     decode.add_argument("--json", help="JSON path (default OUT/decode.json)")
     decode.set_defaults(func=cmd_bench_decode)

@@ -18,8 +18,8 @@ The properties (issue 22):
    ``ledger``: every trace the group acknowledged (delivered, no longer pending, not dead-lettered)
    is in exactly one checkpoint's ledger entry, trained or held out, and no id is in two entries.
 4. ``rows``: after the load drained the verifier runs no request and every drafter holds no more
-   sequences than before the load; the verifier's RSS ends within 1.5x + 64 MiB of its start
-   (every service's RSS is reported).
+   sequences than before the load; the verifier's RSS ends within `RSS_GROWTH` x + 64 MiB of its
+   warm figure (`warm_rss`; every service's RSS is reported).
 5. ``recovery``: after each fault, p99 latency returns to within 1.5x of its value before it
    (`RecoveryRule`); a fault with too few requests before it, whose recovery the next fault
    overlaps, or whose recovery window outlasts the load, is reported, not failed.
@@ -198,8 +198,8 @@ def check_ledger(observations: Observations) -> CheckResult:
 RSS_GROWTH = 1.25
 """How much a verifier's RSS may grow from warm to the end of the run. Warm is the largest of the
 start's figure and the samples of the run's first third: the start is taken before the load has
-grown the rows, the caches and the allocator's arenas to its size (measured: 587 MiB at the
-start, 790-960 MiB through a 90 s run), so a start-to-end ratio mistakes warming up for a leak,
+grown the rows, the caches and the allocator's arenas to its size (a run's JSON has the
+samples: ``observations.rss_samples``), so a start-to-end ratio mistakes warming up for a leak,
 while a leak keeps growing after the first third."""
 
 

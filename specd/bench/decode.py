@@ -61,6 +61,9 @@ class DecodeSettings:
     domains: tuple[str, ...] = DOMAINS
     threads: int = 2
     """Intra-op threads for every method but d3d-async (the machine's cores)."""
+    seeded: bool = False
+    """Give every sampled request a seed (request i: seed i), so rows measure keyed sampling
+    (`specd.sampling.verify_keyed`) instead of the rejection sampler unseeded traffic takes."""
     async_threads: int = 1
     """Intra-op threads for d3d-async: the target pass and the drafter's candidate pass run at
     the same time, so each gets half the cores instead of both fighting for all of them."""
@@ -138,12 +141,12 @@ def domain_prompts(settings: DecodeSettings, target_dir: Path | None = None) -> 
 
 
 def run_case(models: _Models, method: str, prompts: list[list[int]], *, temperature: float, batch: int,
-             block: int, max_tokens: int, threads: int) -> DecodeRow:
+             block: int, max_tokens: int, threads: int, seeded: bool = False) -> DecodeRow:
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         return _run_case(models, method, prompts, temperature=temperature, batch=batch, block=block,
-                         max_tokens=max_tokens, threads=threads)
+                         max_tokens=max_tokens, threads=threads, seeded=seeded)
     finally:
         torch.set_num_threads(previous_threads)
 
@@ -173,17 +176,18 @@ def _run_peer(models: _Models, method: str, prompts: list[list[int]], *, tempera
 
 
 def _run_case(models: _Models, method: str, prompts: list[list[int]], *, temperature: float, batch: int,
-              block: int, max_tokens: int, threads: int) -> DecodeRow:
+              block: int, max_tokens: int, threads: int, seeded: bool = False) -> DecodeRow:
     if method in PEERS:
         return _run_peer(models, method, prompts, temperature=temperature, max_tokens=max_tokens, threads=threads)
     drafter = models.drafter(method, batch)
     mode = "async" if method == "d3d-async" else "sync"
     config = EngineConfig(max_num_seqs=batch, block_size=0 if method == "ar" else block, mode=mode)
     engine = SpeculativeEngine(models.target, drafter, config)
-    # No seed: a sampled request without one is verified by the rejection sampler, as most traffic
-    # is (a seeded one takes the keyed path, `specd.sampling.verify_keyed`: reproducible, a little
-    # lower τ). Greedy rows ignore seeds.
-    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature) for _ in prompts]
+    # Unseeded by default: a sampled request without a seed is verified by the rejection sampler, as
+    # most traffic is; ``seeded`` measures the keyed path (`specd.sampling.verify_keyed`:
+    # reproducible whatever drafts). Greedy rows ignore seeds.
+    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i if seeded else None)
+              for i in range(len(prompts))]
     start = time.perf_counter()
     generations = engine.generate(prompts, params)
     seconds = time.perf_counter() - start
@@ -228,7 +232,7 @@ def bench_decode(settings: DecodeSettings) -> list[DecodeRow]:
         work = (prompts[domain] * (2 * batch // len(prompts[domain]) + 1))[: max(len(prompts[domain]), 2 * batch)]
         threads = settings.async_threads if method == "d3d-async" else settings.threads
         row = run_case(models, method, work, temperature=temperature, batch=batch, block=block,
-                       max_tokens=settings.max_tokens, threads=threads)
+                       max_tokens=settings.max_tokens, threads=threads, seeded=settings.seeded)
         row.domain = domain
         rows.append(row)
     # Speedup: over specd's own plain decoding in this run (a peer's row too: < 1 means specd is faster).
