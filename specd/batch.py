@@ -16,6 +16,7 @@ Padding rows attend to slot 0 only, so they stay finite; their outputs are never
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -103,15 +104,76 @@ class ForwardBatch:
         )
 
     @staticmethod
+    def from_chains(
+        token_lists: Sequence[Sequence[int]],
+        cache_lens: Sequence[int] | Tensor | None = None,
+        device: torch.device | str = "cpu",
+    ) -> "ForwardBatch":
+        """Chain ``token_lists[b]`` after ``cache_lens[b]`` cached tokens (``None``: no cache).
+
+        Field for field the batch ``from_trees`` builds from ``TokenTree.chain(token_lists[b],
+        cache_lens[b])``, but from whole-batch tensor ops: prefill chunks, decode steps and block
+        verification are all chains, so this is the serving loop's per-step build, and with chains
+        every field follows from the row lengths and ``cache_lens`` alone. The int fields reach
+        ``device`` in one copy (the trees' tensors are views of it), the mask in a second, and the
+        trees skip validation (chains are valid by construction). An empty row (an idle cache
+        row) is padding, as in `from_trees`.
+        """
+        num_seqs = len(token_lists)
+        if num_seqs == 0:
+            raise ValueError("a forward batch needs at least one sequence")
+        use_cache = cache_lens is not None
+        lens = torch.as_tensor(cache_lens if use_cache else [0] * num_seqs, dtype=torch.long).cpu()
+        if bool((lens < 0).any()):
+            raise ValueError(f"cache lengths must be >= 0, got {lens.tolist()}")
+        sizes = [len(tokens) for tokens in token_lists]
+        num_new = torch.tensor(sizes, dtype=torch.long)
+        max_new = max(max(sizes), 1)
+        num_slots = max(int((lens + num_new).max()) if use_cache else max_new, 1)
+
+        depth = torch.arange(max_new)
+        real = depth < num_new[:, None]  # [num_seqs, max_new] not padding
+        slot = lens[:, None] + depth  # [num_seqs, max_new] node j of row b sits at cache_len + j
+        positions = slot.masked_fill(~real, 0)  # a chain node's position is its slot
+        # A chain node sees the context and the nodes up to itself: every slot up to its own
+        # position. Padding sits at position 0, so it sees slot 0 only (as in from_trees).
+        mask = torch.arange(num_slots) <= positions[..., None]  # [num_seqs, max_new, num_slots]
+        tokens = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long)
+        input_ids = torch.zeros(num_seqs, max_new, dtype=torch.long)
+        input_ids[real] = tokens  # row-major boolean indexing: row b's tokens fill its first sizes[b]
+        parents = depth.expand(num_seqs, max_new)[real] - 1  # [num_tokens] -1, 0, 1, ... per row
+        anchors = lens[:, None].expand(num_seqs, max_new)[real]  # [num_tokens]
+
+        fields = [input_ids, positions, slot.masked_fill(~real, -1), num_new, lens, tokens, parents, anchors]
+        # One host->device copy for them all: a pageable copy per small tensor would cost a sync each.
+        packed = torch.cat([field.reshape(-1) for field in fields]).to(device)
+        ids, positions, write_slots, num_new, lens, tokens, parents, anchors = packed.split(
+            [field.numel() for field in fields]
+        )
+        trees = tuple(
+            TokenTree._trusted(*parts)
+            for parts in zip(tokens.split(sizes), parents.split(sizes), anchors.split(sizes))
+        )
+        grid = (num_seqs, max_new)
+        return ForwardBatch(
+            dense_causal=not use_cache and min(sizes) == max_new,  # no cache: every chain starts at 0
+            input_ids=ids.view(grid),
+            positions=positions.view(grid),
+            mask=mask.to(device),
+            write_slots=write_slots.view(grid),
+            num_new=num_new,
+            trees=trees,
+            cache_lens=lens,
+        )
+
+    @staticmethod
     def causal(
         token_lists: Sequence[Sequence[int]],
-        cache_lens: Sequence[int] | None = None,
+        cache_lens: Sequence[int] | Tensor | None = None,
         device: torch.device | str = "cpu",
     ) -> "ForwardBatch":
         """Ragged causal chunks: ``token_lists[b]`` appended after ``cache_lens[b]`` tokens."""
-        starts = list(cache_lens) if cache_lens is not None else [0] * len(token_lists)
-        trees = [TokenTree.chain(tokens, start) for tokens, start in zip(token_lists, starts)]
-        return ForwardBatch.from_trees(trees, cache_lens, device)
+        return ForwardBatch.from_chains(token_lists, cache_lens, device)
 
     @staticmethod
     def dense(input_ids: Tensor) -> "ForwardBatch":

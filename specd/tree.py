@@ -55,6 +55,20 @@ class TokenTree:
             raise ValueError("every node of a branch must share its root's anchor")
 
     # ------------------------------------------------------------------ constructors
+    @classmethod
+    def _trusted(cls, tokens: Tensor, parents: Tensor, anchors: Tensor) -> "TokenTree":
+        """A tree from tensors already known to be valid, without `__post_init__`'s checks.
+
+        The checks cost several tensor ops and a host sync each; the library calls this where
+        validity holds by construction (a tree moved to another device, chains built in bulk by
+        `ForwardBatch.from_chains`), so a per-step batch does not pay them once per sequence.
+        """
+        tree = object.__new__(cls)
+        object.__setattr__(tree, "tokens", tokens)
+        object.__setattr__(tree, "parents", parents)
+        object.__setattr__(tree, "anchors", anchors)
+        return tree
+
     @staticmethod
     def chain(tokens: Sequence[int] | Tensor, anchor: int) -> "TokenTree":
         """A single path of ``len(tokens)`` nodes continuing ``context[:anchor]``."""
@@ -146,4 +160,5 @@ class TokenTree:
         return [i for i in range(self.num_nodes) if not is_parent[i]]
 
     def to(self, device: torch.device | str) -> "TokenTree":
-        return TokenTree(self.tokens.to(device), self.parents.to(device), self.anchors.to(device))
+        # A valid tree stays valid on another device: no re-validation.
+        return TokenTree._trusted(self.tokens.to(device), self.parents.to(device), self.anchors.to(device))
