@@ -11,6 +11,15 @@ it are accepted with probability ``a_i`` (`DraftBlock.confidence`) is expected t
 calibrates the drafter's confidence against what the target actually accepted. One ``L`` is
 chosen for the whole batch (padding makes the longest block the cost), maximising
 ``sum_s E_s(L) / c_n(L + 1)``; ``L = 0`` is plain decoding, chosen when speculation does not pay.
+
+That choice is made after the step's blocks were drafted, so it cannot save the drafter's own
+cost: a blocking draft (sync mode, or a miss), or the drafter's speculation beside the pass
+taking the target's core. Whether to speculate at all is decided before that, by what whole
+steps delivered (`should_speculate`): committed tokens per second of a step (drafting, target
+pass, verification and all) measured for speculative and for plain steps of the same batch
+bucket, the better arm taken, the other tried once every ``explore_every`` decisions so its
+figure stays current. Nothing there is a constant of a machine: on a CPU at batch 16 a plain
+step wins and speculation turns itself off; at batch 1, or where passes are flat, it stays on.
 """
 
 from __future__ import annotations
@@ -54,6 +63,25 @@ class _Line:
 
 
 @dataclass(kw_only=True, slots=True)
+class _Rate:
+    """Exponentially weighted tokens per second of whole steps: sum of tokens over sum of seconds."""
+
+    decay: float = 0.8
+    tokens: float = 0.0
+    seconds: float = 0.0
+    count: int = 0
+
+    def add(self, tokens: float, seconds: float) -> None:
+        self.count += 1
+        self.tokens = self.decay * self.tokens + tokens
+        self.seconds = self.decay * self.seconds + seconds
+
+    @property
+    def value(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(kw_only=True, slots=True)
 class CostModel:
     prior_slope_ratio: float = 1 / 16
     """b/a of the cost line before any measurement."""
@@ -63,6 +91,10 @@ class CostModel:
     explore_every: int = 16
     """Every this many steps verify the full block, so the fit keeps seeing long passes."""
     steps: int = 0
+    step_rates: dict[tuple[int, bool], _Rate] = field(default_factory=dict)
+    """(batch bucket, speculative?) -> committed tokens per second of whole steps."""
+    decisions: dict[int, int] = field(default_factory=dict)
+    """Batch bucket -> `should_speculate` calls so far (the exploration clock)."""
 
     @staticmethod
     def _bucket(num_seqs: int) -> int:
@@ -70,6 +102,32 @@ class CostModel:
 
     def observe_pass(self, num_seqs: int, tokens_per_seq: int, seconds: float) -> None:
         self.lines.setdefault(self._bucket(num_seqs), _Line()).add(tokens_per_seq, seconds)
+
+    def observe_step(self, num_seqs: int, speculative: bool, tokens: int, seconds: float) -> None:
+        """A whole step (drafting, pass, verification) committed ``tokens`` in ``seconds``."""
+        key = (self._bucket(num_seqs), speculative)
+        self.step_rates.setdefault(key, _Rate()).add(tokens, seconds)
+
+    def step_rate(self, num_seqs: int, speculative: bool) -> float | None:
+        """Measured committed tokens per second of such steps at this batch, None before any."""
+        rate = self.step_rates.get((self._bucket(num_seqs), speculative))
+        return rate.value if rate is not None else None
+
+    def should_speculate(self, num_seqs: int) -> bool:
+        """Whether this step drafts at all (see the module docstring): the arm whose whole steps
+        delivered more tokens per second at this batch; arms not yet measured are tried
+        (two speculative steps first, then one plain step); the losing arm once every
+        ``explore_every`` decisions."""
+        bucket = self._bucket(num_seqs)
+        count = self.decisions.get(bucket, 0) + 1
+        self.decisions[bucket] = count
+        speculative, plain = self.step_rates.get((bucket, True)), self.step_rates.get((bucket, False))
+        if speculative is None or speculative.count < 2:
+            return True  # (in async mode a first speculative step pays a blocking draft)
+        if plain is None:
+            return False
+        better = speculative.value >= plain.value
+        return better if count % self.explore_every else not better
 
     def observe_acceptance(self, predicted: float, accepted: int) -> None:
         if predicted > 0.05:

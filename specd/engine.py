@@ -41,8 +41,10 @@ from specd.sampling import (
     process_logits,
     sample,
     target_probs,
+    verify_batch,
     verify_block,
     verify_greedy,
+    verify_greedy_tokens,
     verify_keyed,
 )
 from specd.scheduler import Generation, RunningSequence, Scheduler
@@ -337,26 +339,35 @@ class SpeculativeEngine:
     def step(self, running: list[RunningSequence]) -> None:
         """One target pass over every running sequence."""
         self.stats.num_steps += 1
+        began = time.perf_counter()
+        emitted_before = self.stats.num_emitted_tokens
+        # A step that prefills some prompt measures prefill, not what speculation is worth.
+        prefill = any(len(s.context) - s.cached > 1 for s in running)
         self._unpark_drafter()
-        self._ensure_blocks(running)
-        length = self._verify_length(running)
-        self._chosen_length = length
+        speculative = self._speculates(len(running))
+        if speculative:
+            self._ensure_blocks(running)
+            length = self._verify_length(running)
+            self._chosen_length = length
+        else:
+            for seq in running:
+                seq.block = None  # drafted for the context this plain step moves past
+            length = 0
         blocks = [s.block.tokens[:length] if s.block is not None else [] for s in running]
-        future = self._speculate_async(running, blocks)
+        future = self._speculate_async(running, blocks) if speculative else None
         start = time.perf_counter()
-        logits = self._verify_pass(running, blocks)
+        logits, firsts = self._verify_pass(running, blocks)
         self.stats.seconds_target += time.perf_counter() - start
         self.stats.num_target_passes += 1
         self.cost_model.observe_pass(len(running), max(len(b) for b in blocks) + 1, time.perf_counter() - start)
         candidates = self._join(future)
+        results = self._verify_all(running, blocks, logits, firsts)
         paths = [None] * self.config.max_num_seqs
-        for i, (seq, block) in enumerate(zip(running, blocks)):
-            try:
-                result = self._accept(seq, block, logits[i])
-            except (ValueError, RuntimeError, IndexError) as err:
+        for i, (seq, block, result) in enumerate(zip(running, blocks, results)):
+            if isinstance(result, Exception):
                 # One request's sampling failed (what validation at the door should have caught):
                 # it ends with its error, its row stays uncommitted, every other sequence goes on.
-                self.fail(seq, err)
+                self.fail(seq, result)
                 continue
             paths[seq.row] = list(range(len(seq.context) - seq.cached + result.num_accepted))
             if self._drafter_reads_target():
@@ -384,6 +395,16 @@ class SpeculativeEngine:
         self.cache.commit(self._last_batch, paths[: self._last_batch.num_seqs])
         for seq in running:
             seq.cached = len(seq.context) - 1 if not seq.done else seq.cached
+        if not prefill:
+            self.cost_model.observe_step(len(running), speculative, self.stats.num_emitted_tokens - emitted_before,
+                                         time.perf_counter() - began)
+
+    def _speculates(self, num_seqs: int) -> bool:
+        """Whether this step drafts: with a drafter, always, unless the cost model, shown what
+        whole speculative and plain steps delivered at this batch, finds plain steps faster."""
+        if self.drafter is None or self.config.block_size == 0:
+            return False
+        return not self.config.adaptive_block or self.cost_model.should_speculate(num_seqs)
 
     def _drafter_reads_target(self) -> bool:
         """Whether the drafter (if any is in use) gets the target's hidden states after each pass."""
@@ -430,7 +451,8 @@ class SpeculativeEngine:
             return None
         requests = [
             SpeculateRequest(
-                seq_id=s.seq_id, context=list(s.context), block=block, block_size=self._draft_size(),
+                # The context itself, not a copy: nothing appends to it before `_join` returns.
+                seq_id=s.seq_id, context=s.context, block=block, block_size=self._draft_size(),
                 budget=self.config.candidate_budget, params=s.params,
             )
             for s, block in zip(running, blocks)
@@ -451,60 +473,109 @@ class SpeculativeEngine:
             self.stats.seconds_drafter_blocking += time.perf_counter() - start
 
     @torch.no_grad()
-    def _verify_pass(self, running: list[RunningSequence], blocks: list[list[int]]) -> list[Tensor]:
-        """Target logits ``[len(block) + 1, vocab]`` per sequence (from its last committed token)."""
+    def _verify_pass(self, running: list[RunningSequence], blocks: list[list[int]]) -> tuple[Tensor, list[int]]:
+        """The target's logits ``[rows, max_new, vocab]`` over every sequence's uncached tail plus
+        its block, and per sequence the column of its last committed token (its ``len(block) + 1``
+        rows of logits start there)."""
         # Rows past the highest busy one stay out of the pass when the cache allows it.
         rows = len(self.cache.lengths)
         if self.cache.supports_row_prefix:
             rows = max(s.row for s in running) + 1
-        trees = [TokenTree.chain([], int(length)) for length in self.cache.lengths[:rows]]
+        lengths = self.cache.lengths[:rows].tolist()
+        tails: list[list[int]] = [[] for _ in range(rows)]
         for seq, block in zip(running, blocks):
-            trees[seq.row] = TokenTree.chain(seq.context[seq.cached :] + block, seq.cached)
-        batch = ForwardBatch.from_trees(trees, self.cache.lengths[:rows], self.device)
+            tails[seq.row] = seq.context[seq.cached :] + block
+        batch = ForwardBatch.from_chains(tails, lengths, self.device)
         self._last_batch = batch
         with torch.inference_mode():  # no autograd bookkeeping per op: ~4% of a SmolLM2 decode step
-            return self._target_logits(running, blocks, batch)
+            logits = self._target_logits(batch)
+        return logits, [len(s.context) - s.cached - 1 for s in running]
 
-    def _target_logits(
-        self, running: list[RunningSequence], blocks: list[list[int]], batch: ForwardBatch
-    ) -> list[Tensor]:
-        """`_verify_pass`'s target pass over ``batch`` and each sequence's slice of its logits."""
+    def _target_logits(self, batch: ForwardBatch) -> Tensor:
+        """`_verify_pass`'s target pass over ``batch``: logits ``[rows, max_new, vocab]``."""
         if self._drafter_reads_target():
             self._last_hidden = self.target.hidden_states(batch, self.cache)  # [rows, max_new, hidden]
-            logits = self.target.lm_head(self._last_hidden)
-        elif self._graphs is not None:
-            logits = self._graphs(batch)  # [rows, max_new, vocab], replayed where the shape fits
-        else:
-            logits = self.target(batch, self.cache)  # [rows, max_new, vocab]
-        out = []
-        for seq, block in zip(running, blocks):
-            first = len(seq.context) - seq.cached - 1  # the last committed token's column
-            out.append(logits[seq.row, first : first + len(block) + 1])
-        return out
+            return self.target.lm_head(self._last_hidden)
+        if self._graphs is not None:
+            return self._graphs(batch)  # replayed where the shape fits
+        return self.target(batch, self.cache)
+
+    def _verify_all(self, running: list[RunningSequence], blocks: list[list[int]], logits: Tensor,
+                    firsts: list[int]) -> list[VerifyResult | Exception]:
+        """Every sequence's verification of its block against its ``len(block) + 1`` rows of the
+        target's logits (from column ``firsts[i]`` of its cache row), the rows batched by kind:
+        plain greedy rows by argmax (one over the whole pass when every row is one), unseeded
+        sampled rows through the batched rejection sampler (`verify_batch`), seeded rows keyed.
+        A row whose sampling fails gets its exception, and the other rows go on."""
+        results: list[VerifyResult | Exception | None] = [None] * len(running)
+        views = [logits[s.row, first : first + len(b) + 1] for s, b, first in zip(running, blocks, firsts)]
+        plain_greedy = [s.params.greedy and not s.params.processes_logits for s in running]
+        if all(plain_greedy):
+            best = logits.argmax(-1).tolist()  # [rows, max_new]: one reduction for the batch
+            for i, (seq, block, first) in enumerate(zip(running, blocks, firsts)):
+                results[i] = verify_greedy_tokens(block, best[seq.row][first : first + len(block) + 1])
+            return results
+        sampled: list[int] = []
+        sampled_probs: list[Tensor] = []
+        for i, (seq, block) in enumerate(zip(running, blocks)):
+            try:
+                if plain_greedy[i]:
+                    results[i] = verify_greedy(block, views[i])
+                    continue
+                probs = self._target_probs(seq, block, views[i])
+                if seq.params.keyed:
+                    # Seeded: the tokens plain decoding with this seed gives, whatever was drafted
+                    # (the block continues the committed context: its first token sits at len(context)).
+                    results[i] = verify_keyed(block, probs, seq.params.seed, len(seq.context))
+                else:
+                    sampled.append(i)
+                    sampled_probs.append(probs)
+            except (ValueError, RuntimeError, IndexError) as err:
+                results[i] = err
+        if sampled:
+            for i, result in zip(sampled, self._verify_sampled(running, blocks, sampled, sampled_probs)):
+                results[i] = result
+        return results
+
+    def _verify_sampled(self, running: list[RunningSequence], blocks: list[list[int]], rows: list[int],
+                        probs: list[Tensor]) -> list[VerifyResult | Exception]:
+        """Unseeded sampled rows through `verify_batch` (each row draws from its own generator
+        what `verify_block` would); should that raise, row by row, so only a bad row fails."""
+        drafted = [self._draft_probs(running[i], blocks[i]) for i in rows]
+        tokens = [torch.tensor(blocks[i], dtype=torch.long) for i in rows]
+        try:
+            cu = torch.tensor([0] + [len(blocks[i]) for i in rows], dtype=torch.long).cumsum(0)
+            draft_probs = None
+            if any(q is not None for q in drafted):
+                vocab = probs[0].shape[-1]
+                draft_probs = torch.cat([
+                    q if q is not None else torch.nn.functional.one_hot(t, vocab).float()
+                    for q, t in zip(drafted, tokens)
+                ]) if int(cu[-1]) else None
+            return verify_batch(torch.cat(tokens), cu, draft_probs, torch.cat(probs),
+                                [running[i].generator for i in rows])
+        except (ValueError, RuntimeError, IndexError):
+            out: list[VerifyResult | Exception] = []
+            for i, t, q, p in zip(rows, tokens, drafted, probs):
+                try:
+                    out.append(verify_block(t, q, p, running[i].generator))
+                except (ValueError, RuntimeError, IndexError) as err:
+                    out.append(err)
+            return out
 
     @staticmethod
-    def _target_probs(seq: RunningSequence, block: list[int], logits: Tensor) -> Tensor:
+    def _draft_probs(seq: RunningSequence, block: list[int]) -> Tensor | None:
+        """The drafter's distributions over the verified block (None: it drafted deterministically)."""
+        if block and seq.block is not None and seq.block.probs is not None:
+            return seq.block.probs[: len(block)]
+        return None
+
+    def _target_probs(self, seq: RunningSequence, block: list[int], logits: Tensor) -> Tensor:
         """The request's distributions ``[len(block) + 1, vocab]`` from the target's logits there:
         its logits processors (row r as if ``block[:r]`` were output), then its sampling."""
         if seq.params.processes_logits:  # else no prompt copy per step: most requests set none
             logits = process_logits(logits, seq.params, seq.context[: seq.num_prompt], seq.generation.token_ids, block)
         return target_probs(logits, seq.params)
-
-    def _accept(self, seq: RunningSequence, block: list[int], logits: Tensor) -> VerifyResult:
-        """Verify ``block`` against the target's ``[len(block) + 1, vocab]`` logits there, under the
-        request's sampling (a plain greedy request by argmax alone: no vocabulary-wide tensors).
-        A plain step is an empty block: the same rule gives the token plain decoding would."""
-        if seq.params.greedy and not seq.params.processes_logits:
-            return verify_greedy(block, logits)
-        probs = self._target_probs(seq, block, logits)
-        if seq.params.keyed:
-            # Seeded: the tokens plain decoding with this seed gives, whatever was drafted (the
-            # block continues the committed context, so its first token sits at len(context)).
-            return verify_keyed(block, probs, seq.params.seed, len(seq.context))
-        draft_probs = None
-        if block and seq.block is not None and seq.block.probs is not None:
-            draft_probs = seq.block.probs[: len(block)]
-        return verify_block(torch.tensor(block, dtype=torch.long), draft_probs, probs, seq.generator)
 
     def _emit(self, seq: RunningSequence, tokens: list[int]) -> None:
         """Append committed tokens to the output, stopping at a stop token or max_tokens."""

@@ -443,7 +443,14 @@ def verify_greedy(draft_tokens: Sequence[int], logits: Tensor) -> VerifyResult:
     the first mismatch), without building probabilities over the vocabulary or drawing a coin."""
     if logits.dim() != 2 or logits.shape[0] != len(draft_tokens) + 1:
         raise ValueError(f"logits must be [B + 1, vocab] = [{len(draft_tokens) + 1}, V], got {tuple(logits.shape)}")
-    best = logits.argmax(-1).tolist()  # [B + 1]
+    return verify_greedy_tokens(draft_tokens, logits.argmax(-1).tolist())
+
+
+def verify_greedy_tokens(draft_tokens: Sequence[int], best: Sequence[int]) -> VerifyResult:
+    """`verify_greedy` from the target's argmax at each of the ``B + 1`` positions, already taken
+    (the engine takes one argmax over a whole pass of greedy rows)."""
+    if len(best) != len(draft_tokens) + 1:
+        raise ValueError(f"need the argmax at B + 1 = {len(draft_tokens) + 1} positions, got {len(best)}")
     num_accepted = 0
     while num_accepted < len(draft_tokens) and int(draft_tokens[num_accepted]) == best[num_accepted]:
         num_accepted += 1

@@ -29,7 +29,7 @@ from specd.batch import ForwardBatch
 from specd.drafters.d3d import D3DDrafter
 from specd.engine import EngineConfig, SpeculativeEngine
 from specd.models.d3d import D3DModel
-from specd.sampling import SamplingParams, VerifyResult
+from specd.sampling import SamplingParams
 from specd.train.specopd import (
     DrafterDistiller,
     SpecOPDConfig,
@@ -48,12 +48,13 @@ class RecordingEngine(SpeculativeEngine):
         super().__init__(target, drafter, config)
         self.records: list[tuple[int, int, list[int], Tensor]] = []
 
-    def _accept(self, seq, block: list[int], logits: Tensor) -> VerifyResult:
-        # ``seq.context`` is still the committed context the block was drafted after.
+    def _target_probs(self, seq, block: list[int], logits: Tensor) -> Tensor:
+        # Every sampled row's verification computes p here; ``seq.context`` is still the
+        # committed context the block was drafted after.
+        probs = super()._target_probs(seq, block, logits)
         if block:
-            probs = self._target_probs(seq, block, logits)
             self.records.append((seq.seq_id, len(seq.context), list(block), probs[: len(block)].clone()))
-        return super()._accept(seq, block, logits)
+        return probs
 
 
 @torch.no_grad()

@@ -246,7 +246,10 @@ def test_greedy_dflash_style_equals_plain_greedy(target):
     batch = prompts(6)
     params = SamplingParams(max_tokens=20)
     expected = [g.token_ids for g in autoregressive(target, batch, params)]
-    engine = SpeculativeEngine(target, drafter, EngineConfig(max_num_seqs=4, block_size=5, mode="sync"))
+    # Full blocks every step: a random drafter's low confidence would let the cost model verify
+    # none of them (and turn it off), and this test is about the drafts' verification.
+    engine = SpeculativeEngine(target, drafter, EngineConfig(max_num_seqs=4, block_size=5, mode="sync",
+                                                             adaptive_block=False))
     assert [g.token_ids for g in engine.generate(batch, params)] == expected
     assert engine.stats.num_draft_tokens > 0
 

@@ -1,0 +1,90 @@
+"""The cost model turns speculation off where whole speculative steps deliver less than plain ones,
+and keeps it on where they deliver more; either way the output is plain decoding's."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from specd.cost_model import CostModel
+from specd.drafters.base import DraftBlock, Drafter
+from specd.engine import EngineConfig, SpeculativeEngine, autoregressive
+from specd.models.qwen3 import FLAVOURS, Qwen3ForCausalLM
+from specd.sampling import SamplingParams
+
+VOCAB = FLAVOURS["debug"].vocab_size
+
+
+def _decisions(model: CostModel, num_seqs: int, rates: dict[bool, float], steps: int) -> list[bool]:
+    """``steps`` decisions, each step then observed at ``rates[arm]`` tokens per second."""
+    out = []
+    for _ in range(steps):
+        arm = model.should_speculate(num_seqs)
+        model.observe_step(num_seqs, arm, tokens=int(rates[arm]), seconds=1.0)
+        out.append(arm)
+    return out
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_should_speculate_takes_the_faster_arm_and_explores_the_other(faster):
+    model = CostModel(explore_every=16)
+    rates = {faster: 30.0, not faster: 10.0}
+    decisions = _decisions(model, 4, rates, 320)
+    tail = decisions[16:]  # past the first measurements of both arms
+    assert tail.count(faster) >= len(tail) * (1 - 1 / 16) - 1
+    assert tail.count(not faster) >= len(tail) // 16 - 1  # the losing arm is still measured
+    # Each batch bucket decides on its own figures.
+    assert _decisions(model, 16, {True: 5.0, False: 50.0}, 64)[16:].count(True) <= 4
+
+
+def test_a_rate_that_changes_changes_the_choice():
+    model = CostModel(explore_every=8)
+    _decisions(model, 1, {True: 40.0, False: 10.0}, 64)
+    assert model.should_speculate(1)
+    late = _decisions(model, 1, {True: 5.0, False: 10.0}, 128)[64:]
+    assert late.count(True) <= len(late) // 8 + 1
+
+
+class _Drafter(Drafter):
+    """Drafts the target's greedy continuation (``right``) or wrong tokens, after ``delay`` s."""
+
+    name, max_block, can_speculate = "scripted", 8, False
+
+    def __init__(self, references: list[list[int]], *, right: bool, delay: float):
+        self.references, self.right, self.delay, self.vocab_size = references, right, delay, VOCAB
+
+    def draft(self, requests):
+        time.sleep(self.delay)
+        blocks = []
+        for r in requests:
+            tokens = self.references[r.seq_id][len(r.context) : len(r.context) + r.block_size]
+            if not self.right:
+                tokens = [(t + 1) % VOCAB for t in tokens]
+            blocks.append(DraftBlock(tokens=tokens, probs=None, confidence=[0.9] * len(tokens)))
+        return blocks
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_engine_turns_a_drafter_that_does_not_pay_off_and_keeps_one_that_does(right):
+    """A slow drafter that is always wrong costs more than it saves: the engine decodes plain
+    nearly always (exploring it now and then); one that drafts the target's own tokens stays on.
+    Both give plain greedy output."""
+    torch.manual_seed(3)
+    target = Qwen3ForCausalLM(FLAVOURS["debug"]).eval()
+    generator = torch.Generator().manual_seed(5)
+    batch = [torch.randint(7, VOCAB, (12,), generator=generator).tolist() for _ in range(4)]
+    params = SamplingParams(max_tokens=96)
+    expected = autoregressive(target, batch, params)
+    references = [p + e.token_ids + [0] * 16 for p, e in zip(batch, expected)]
+    # A debug pass takes about a millisecond: 30 ms per draft makes a wrong drafter a clear loss.
+    drafter = _Drafter(references, right=right, delay=0.03 if not right else 0.0)
+    engine = SpeculativeEngine(target, drafter, EngineConfig(max_num_seqs=4, block_size=4, mode="sync"))
+    got = engine.generate(batch, params)
+    assert [g.token_ids for g in got] == [e.token_ids for e in expected]
+    drafted = engine.stats.num_drafts / engine.stats.num_sequence_passes
+    if right:
+        assert drafted > 0.7 and engine.stats.tau > 2.0
+    else:
+        assert drafted < 0.25
