@@ -256,6 +256,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     settings = DecodeSettings.quick() if args.quick else DecodeSettings()
     settings.target = args.target
     settings.seeded = args.seeded
+    settings.fixed_block = args.fixed_block
     if args.methods:
         settings.methods = tuple(args.methods.split(","))
         unknown = sorted(set(settings.methods) - set(METHODS))
@@ -466,6 +467,8 @@ def parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     decode.add_argument("--block-sizes", help="comma-separated draft blocks, e.g. 4,8")
     decode.add_argument("--seeded", action="store_true",
                         help="seed every sampled request: measure keyed sampling, not the rejection sampler")
+    decode.add_argument("--fixed-block", action="store_true",
+                        help="verify every drafted block at its full length (acceptance), not the cost model's choice")
     decode.add_argument("--out", default="out/bench", help="directory for plots and JSON")
     decode.add_argument("--json", help="JSON path (default OUT/decode.json)")
     decode.set_defaults(func=cmd_bench_decode)

@@ -48,7 +48,6 @@ from specd.sampling import (
     verify_keyed,
 )
 from specd.scheduler import Generation, RunningSequence, Scheduler
-from specd.tree import TokenTree
 
 
 def check_prompt(prompt: Sequence[int], vocab_size: int, params: SamplingParams | None = None) -> None:
@@ -94,13 +93,10 @@ def autoregressive(
     new_tokens: list[list[int]] = [list(map(int, p)) for p in prompts]
     running = [True] * len(prompts)
     while any(running):
-        trees = [
-            TokenTree.chain(tokens if run else [], int(length))
-            for tokens, run, length in zip(new_tokens, running, cache.lengths)
-        ]
-        batch = ForwardBatch.from_trees(trees, cache.lengths, device)
+        chains = [tokens if run else [] for tokens, run in zip(new_tokens, running)]
+        batch = ForwardBatch.from_chains(chains, cache.lengths, device)
         logits = model(batch, cache)  # [num_seqs, max_new, vocab]
-        cache.commit(batch, [list(range(t.num_nodes)) for t in trees])
+        cache.commit(batch, [list(range(len(c))) for c in chains])
         last = logits[torch.arange(len(prompts)), batch.last_index()]  # [num_seqs, vocab]
         for b, out in enumerate(outputs):
             if not running[b]:

@@ -241,7 +241,8 @@ def _build_responses(target: str, recipe: dict = RESPONSES, default: bool = True
         else:
             tokenizer, template = load_tokenizer(tokenizer_dir(), zoo=True), None
         prompts = training_prompts(documents, tokenizer, recipe["per_domain"], recipe["seed"], template=template)
-        sequences = generate_responses(model, prompts, recipe["max_tokens"])
+        sequences = generate_responses(model, prompts, recipe["max_tokens"], batch=recipe.get("batch", 32),
+                                       bf16=recipe.get("bf16", False))
         write_sequences(out / "sequences.jsonl", sequences, [len(p) for p in prompts])
 
     return Step(name=f"responses-{target}", recipe={"target": target, **recipe}, run=run, needs=(target, "data"),

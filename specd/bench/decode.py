@@ -64,6 +64,9 @@ class DecodeSettings:
     seeded: bool = False
     """Give every sampled request a seed (request i: seed i), so rows measure keyed sampling
     (`specd.sampling.verify_keyed`) instead of the rejection sampler unseeded traffic takes."""
+    fixed_block: bool = False
+    """Verify every drafted block at its full length, every step (acceptance by position at that
+    block), instead of the cost model's choice of length and of whether to draft at all."""
     async_threads: int = 1
     """Intra-op threads for d3d-async: the target pass and the drafter's candidate pass run at
     the same time, so each gets half the cores instead of both fighting for all of them."""
@@ -92,6 +95,10 @@ class DecodeRow:
     threads: int
     verified_block: float = 0.0
     """Mean drafted tokens verified per sequence per pass, plain steps as 0 (what the cost model chose)."""
+    drafted: float = 0.0
+    """Share of sequence passes that verified a drafted block (the rest the cost model ran plain)."""
+    fixed_block: bool = False
+    """Every block verified at full length (``--fixed-block``), not the cost model's choice."""
     speedup: float = field(default=1.0)
 
 
@@ -141,12 +148,12 @@ def domain_prompts(settings: DecodeSettings, target_dir: Path | None = None) -> 
 
 
 def run_case(models: _Models, method: str, prompts: list[list[int]], *, temperature: float, batch: int,
-             block: int, max_tokens: int, threads: int, seeded: bool = False) -> DecodeRow:
+             block: int, max_tokens: int, threads: int, seeded: bool = False, fixed_block: bool = False) -> DecodeRow:
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         return _run_case(models, method, prompts, temperature=temperature, batch=batch, block=block,
-                         max_tokens=max_tokens, threads=threads, seeded=seeded)
+                         max_tokens=max_tokens, threads=threads, seeded=seeded, fixed_block=fixed_block)
     finally:
         torch.set_num_threads(previous_threads)
 
@@ -176,12 +183,13 @@ def _run_peer(models: _Models, method: str, prompts: list[list[int]], *, tempera
 
 
 def _run_case(models: _Models, method: str, prompts: list[list[int]], *, temperature: float, batch: int,
-              block: int, max_tokens: int, threads: int, seeded: bool = False) -> DecodeRow:
+              block: int, max_tokens: int, threads: int, seeded: bool = False, fixed_block: bool = False) -> DecodeRow:
     if method in PEERS:
         return _run_peer(models, method, prompts, temperature=temperature, max_tokens=max_tokens, threads=threads)
     drafter = models.drafter(method, batch)
     mode = "async" if method == "d3d-async" else "sync"
-    config = EngineConfig(max_num_seqs=batch, block_size=0 if method == "ar" else block, mode=mode)
+    config = EngineConfig(max_num_seqs=batch, block_size=0 if method == "ar" else block, mode=mode,
+                          adaptive_block=not fixed_block)
     engine = SpeculativeEngine(models.target, drafter, config)
     # Unseeded by default: a sampled request without a seed is verified by the rejection sampler, as
     # most traffic is; ``seeded`` measures the keyed path (`specd.sampling.verify_keyed`:
@@ -200,6 +208,8 @@ def _run_case(models: _Models, method: str, prompts: list[list[int]], *, tempera
         seconds=seconds, tokens_per_second=tokens / seconds, overhead_ms_per_step=1000 * stats.overhead_per_step,
         target_passes=stats.num_target_passes, threads=threads,
         verified_block=stats.num_draft_tokens / stats.num_sequence_passes if stats.num_sequence_passes else 0.0,
+        drafted=stats.num_drafts / stats.num_sequence_passes if stats.num_sequence_passes else 0.0,
+        fixed_block=fixed_block,
     )
 
 
@@ -232,7 +242,8 @@ def bench_decode(settings: DecodeSettings) -> list[DecodeRow]:
         work = (prompts[domain] * (2 * batch // len(prompts[domain]) + 1))[: max(len(prompts[domain]), 2 * batch)]
         threads = settings.async_threads if method == "d3d-async" else settings.threads
         row = run_case(models, method, work, temperature=temperature, batch=batch, block=block,
-                       max_tokens=settings.max_tokens, threads=threads, seeded=settings.seeded)
+                       max_tokens=settings.max_tokens, threads=threads, seeded=settings.seeded,
+                       fixed_block=settings.fixed_block)
         row.domain = domain
         rows.append(row)
     # Speedup: over specd's own plain decoding in this run (a peer's row too: < 1 means specd is faster).
@@ -255,13 +266,14 @@ def summary(rows: list[DecodeRow], *, batch: int, block: int, temperature: float
 
 
 def format_table(rows: list[DecodeRow]) -> str:
-    head = (f"{'method':<10} {'domain':<9} {'T':>3} {'thr':>3} {'batch':>5} {'block':>5} {'used':>5} {'tau':>6} {'hit':>5} "
+    head = (f"{'method':<10} {'domain':<9} {'T':>3} {'thr':>3} {'batch':>5} {'block':>5} {'used':>5} {'drft':>5} {'tau':>6} {'hit':>5} "
             f"{'tok/s':>8} {'speedup':>8} {'ovh ms':>7}  acceptance/pos")
     lines = [head, "-" * len(head)]
     for r in rows:
         acceptance = " ".join(f"{a:.2f}" for a in r.acceptance_per_pos[:8])
         lines.append(
             f"{r.method:<10} {r.domain:<9} {r.temperature:>3.1f} {r.threads:>3} {r.batch:>5} {r.block:>5} {r.verified_block:>5.2f} "
+            f"{r.drafted:>5.2f} "
             f"{r.tau:>6.2f} {r.hit_rate:>5.2f} "
             f"{r.tokens_per_second:>8.1f} {r.speedup:>7.2f}x {r.overhead_ms_per_step:>7.2f}  {acceptance}"
         )

@@ -99,8 +99,14 @@ def training_prompts(documents: dict[str, list[str]], tokenizer, per_domain: int
     return prompts
 
 
-def generate_responses(target: nn.Module, prompts: list[list[int]], max_tokens: int, batch: int = 32) -> list[list[int]]:
-    """prompt + the target's response for each prompt: three in four greedy, one at T=1."""
+def generate_responses(target: nn.Module, prompts: list[list[int]], max_tokens: int, batch: int = 32,
+                       bf16: bool = False) -> list[list[int]]:
+    """prompt + the target's response for each prompt: three in four greedy, one at T=1.
+
+    ``bf16``: under bf16 autocast where the CPU computes bf16 (`specd.precision`; fp32 elsewhere).
+    A large batch is compute-bound, and there bf16 on a CPU that has it is several times faster;
+    the answers are then the bf16 model's, which differ from fp32 greedy text now and then — what
+    a drafter learns from, not what it is measured against."""
     sequences = []
     for start in tqdm(range(0, len(prompts), batch), desc="target responses", unit="batch"):
         chunk = prompts[start : start + batch]
@@ -109,7 +115,9 @@ def generate_responses(target: nn.Module, prompts: list[list[int]], max_tokens: 
                            seed=start + j, stop_token_ids=target.config.stop_token_ids)
             for j in range(len(chunk))
         ]
-        for prompt, generation in zip(chunk, autoregressive(target, chunk, params)):
+        with cpu_autocast(bf16):
+            generations = autoregressive(target, chunk, params)
+        for prompt, generation in zip(chunk, generations):
             sequences.append(prompt + generation.token_ids)
     return sequences
 
