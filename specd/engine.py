@@ -98,15 +98,18 @@ def autoregressive(
         logits = model(batch, cache)  # [num_seqs, max_new, vocab]
         cache.commit(batch, [list(range(len(c))) for c in chains])
         last = logits[torch.arange(len(prompts)), batch.last_index()]  # [num_seqs, vocab]
+        best = last.argmax(-1).tolist()  # plain greedy rows: one reduction for the batch
         for b, out in enumerate(outputs):
             if not running[b]:
                 continue
-            logits = process_logits(last[b : b + 1], params[b], prompts[b], out.token_ids)
-            probs = target_probs(logits, params[b])
-            if params[b].keyed:
-                token = int(keyed_sample(probs, params[b].seed, len(prompts[b]) + len(out.token_ids)))
+            if params[b].greedy and not params[b].processes_logits:
+                token = best[b]  # the argmax: what sampling the one-hot greedy probabilities gives
             else:
-                token = int(sample(probs, generators[b]))
+                probs = target_probs(process_logits(last[b : b + 1], params[b], prompts[b], out.token_ids), params[b])
+                if params[b].keyed:
+                    token = int(keyed_sample(probs, params[b].seed, len(prompts[b]) + len(out.token_ids)))
+                else:
+                    token = int(sample(probs, generators[b]))
             out.token_ids.append(token)
             out.num_passes += 1
             new_tokens[b] = [token]
