@@ -248,8 +248,9 @@ def bench_decode(settings: DecodeSettings) -> list[DecodeRow]:
         rows.append(row)
     # Speedup: over specd's own plain decoding in this run (a peer's row too: < 1 means specd is faster).
     baseline = {(r.domain, r.temperature, r.batch): r.tokens_per_second for r in rows if r.method == "ar"}
-    for row in rows:
-        row.speedup = row.tokens_per_second / baseline[(row.domain, row.temperature, row.batch)]
+    for row in rows:  # without an ar row for its case (--methods left it out): no speedup
+        plain = baseline.get((row.domain, row.temperature, row.batch))
+        row.speedup = row.tokens_per_second / plain if plain else float("nan")
     return rows
 
 
