@@ -362,6 +362,15 @@ def plot(rows: list[DecodeRow], settings: DecodeSettings, out_dir: Path) -> list
     return paths
 
 
+def _json_row(row: DecodeRow) -> dict:
+    """A row as JSON, with the short names dashboards use beside the long ones: ``tok_s``,
+    ``accept_per_pos``, and ``mean_verified_block`` (``block`` is the most a pass may verify)."""
+    out = asdict(row)
+    out.update(tok_s=row.tokens_per_second, accept_per_pos=row.acceptance_per_pos,
+               mean_verified_block=row.verified_block)
+    return out
+
+
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -372,7 +381,7 @@ def main(settings: DecodeSettings, out_dir: Path, json_path: Path | None) -> lis
     rows = bench_decode(settings)
     print(format_table(rows))
     print(format_summary(rows, settings))
-    payload = {"settings": asdict(settings), "rows": [asdict(r) for r in rows]}
+    payload = {"settings": asdict(settings), "rows": [_json_row(r) for r in rows]}
     json_path = json_path or out_dir / "decode.json"
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(payload, indent=2) + "\n")
