@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from specd.flags import add_flags, default_of, from_flags
 from specd.plan.compare import compare_serve, format_compare, write_compare
-from specd.plan.profile import Profile, load_profile
+from specd.plan.profile import Profile, bench_acceptance, load_profile, with_acceptance
 from specd.plan.sim import Lengths, SimConfig, SimResult, TraceRequest, Workload, load_trace, simulate
 
 DEFAULT_TP_ALLREDUCE_SECONDS = 36 * 2 * 10e-6
@@ -467,10 +467,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instead of planning: simulate the rows of a `specd bench serve` JSON and compare "
                              "(writes SERVE_compare.json and .png beside it)")
     parser.add_argument("--measured-hits", action="store_true", help="with --compare-serve: use each row's measured hit rate")
+    parser.add_argument("--acceptance-from", default="", metavar="DECODE_JSON",
+                        help="a projection: the profile's costs with the acceptance per position a `specd bench "
+                             "decode` JSON measured (its --fixed-block rows where it has them, mean of the domains)")
+    parser.add_argument("--acceptance-method", default="d3d-async",
+                        help="with --acceptance-from: the method whose rows to read (d3d-async, d3d-sync, dflash, ngram)")
+    parser.add_argument("--acceptance-temperature", type=float, default=0.0,
+                        help="with --acceptance-from: the rows of this temperature")
+
+
+def _projected(profile: Profile, args: argparse.Namespace) -> Profile:
+    """The profile with the acceptance `specd bench decode` measured (``--acceptance-from``)."""
+    path = Path(args.acceptance_from)
+    if not path.is_file():
+        raise ValueError(f"no bench decode JSON at {path}: run `specd bench decode --fixed-block --out DIR` "
+                         "and pass DIR/decode.json")
+    measured = bench_acceptance(json.loads(path.read_text()), method=args.acceptance_method,
+                                temperature=args.acceptance_temperature, source=str(path))
+    label = (f"of {args.acceptance_method} at T={args.acceptance_temperature:g}, block {measured['block_size']}, "
+             f"batch {measured['batch']}{' (fixed block)' if measured['fixed_block'] else ''}, mean of "
+             f"{', '.join(measured['domains'])}, from {path}")
+    print(f"PROJECTION, not a measurement: the costs of {args.profile} with the acceptance {label}\n"
+          f"  acceptance per position: {' '.join(f'{a:.2f}' for a in measured['acceptance_per_pos'])} "
+          f"(tau {measured['tau']:.2f})")
+    return with_acceptance(profile, measured, label=label)
 
 
 def run(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile)
+    if args.acceptance_from:
+        profile = _projected(profile, args)
     if args.compare_serve:
         path = Path(args.compare_serve)
         if not path.is_file():

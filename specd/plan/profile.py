@@ -429,6 +429,51 @@ def _extended(source: list[float], block: int) -> list[float]:
     return values[:block]
 
 
+# ====================================================================== acceptance from a benchmark
+def bench_acceptance(bench: dict, *, method: str, temperature: float = 0.0, source: str = "bench decode JSON") -> dict:
+    """What `specd bench decode` measured a method to accept, as profile fields: the mean over
+    domains of ``accept_per_pos`` at the longest block that method's rows verified, at
+    ``temperature``, from its smallest batch. Rows of ``--fixed-block`` runs are preferred: they
+    verify every block at full length, so position i's rate is P(positions 0..i all accepted), the
+    profile's meaning; the cost model's rows verify shorter blocks and see the later positions less.
+    An async method's measured hit rate comes along (``hit_rate``; None for sync methods)."""
+    rows = [r for r in bench.get("rows", []) if r.get("method") == method
+            and abs(float(r.get("temperature", -1)) - temperature) < 1e-9 and r.get("accept_per_pos")]
+    if not rows:
+        seen = sorted({(r.get("method"), r.get("temperature")) for r in bench.get("rows", [])}, key=str)
+        raise ProfileError(f"{source} has no rows of method {method!r} at temperature {temperature:g} with an "
+                           f"acceptance per position (it has {seen or 'no rows'}): run `specd bench decode "
+                           f"--methods {method} --fixed-block --block-sizes 16 --temperatures {temperature:g}`")
+    if any(r.get("fixed_block") for r in rows):
+        rows = [r for r in rows if r.get("fixed_block")]
+    batch = min(r["batch"] for r in rows)
+    rows = [r for r in rows if r["batch"] == batch]
+    block = max(r["block"] for r in rows)
+    rows = [r for r in rows if r["block"] == block]
+    per_domain = [r["accept_per_pos"][:block] + [0.0] * (block - len(r["accept_per_pos"])) for r in rows]
+    acceptance = [sum(values) / len(values) for values in zip(*per_domain)]
+    hits = [r["hit_rate"] for r in rows if isinstance(r.get("hit_rate"), (int, float)) and r["hit_rate"] == r["hit_rate"]]
+    return {"block_size": block, "acceptance_per_pos": acceptance, "tau": sum(r["tau"] for r in rows) / len(rows),
+            "hit_rate": sum(hits) / len(hits) if method.endswith("async") and hits else None,
+            "domains": sorted({r["domain"] for r in rows}), "batch": batch,
+            "fixed_block": bool(rows[0].get("fixed_block"))}
+
+
+def with_acceptance(profile: Profile, measured: dict, *, label: str) -> Profile:
+    """The profile's costs with ``measured`` acceptance (`bench_acceptance`) in place of its own:
+    a projection of that drafter's acceptance onto the profile's hardware. The per-block tables and
+    the confidence samples are dropped (they described the old drafter); the hit rate is the
+    measured one where the method had candidates, else the profile's at that block."""
+    data = profile.to_json()
+    for key in ("by_block", "confidence_per_pos", "block_samples"):
+        data.pop(key, None)
+    block = measured["block_size"]
+    hit_rate = measured["hit_rate"] if measured["hit_rate"] is not None else profile.hit_rate_for(block)
+    data.update(block_size=block, acceptance_per_pos=measured["acceptance_per_pos"], tau=measured["tau"],
+                hit_rate=hit_rate, notes=f"PROJECTION: acceptance {label}; costs: {profile.notes}")
+    return parse_profile(data, source=label)
+
+
 # ====================================================================== reading one
 def load_profile(path: str | Path) -> Profile:
     """Read and validate a profile JSON file (the schema: `Profile`)."""

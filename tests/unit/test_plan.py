@@ -20,7 +20,7 @@ from specd.models.qwen3 import FLAVOURS, Qwen3ForCausalLM
 from specd.plan import planner
 from specd.plan.compare import compare_serve, deployment_config, format_compare
 from specd.plan.planner import PlanSettings, Split, format_table, parse_ratio, plan, splits, values_override
-from specd.plan.profile import load_profile, parse_profile
+from specd.plan.profile import bench_acceptance, load_profile, parse_profile, with_acceptance
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "specd" / "plan" / "profiles" / "qwen3-8b-h200.json"
@@ -435,3 +435,45 @@ def test_calibration_rounds_become_the_median_round_per_level():
     assert merged["concurrency"] == [1, 16] and merged["trace"] == [[[10, 64]], [[12, 64]]]
     assert merged["rounds_target_seconds"][0] == pytest.approx([0.003, 0.006, 0.0033])
     assert median_rounds([round_(1.0)])["target_seconds"] == [0.003, 0.02]
+
+
+# ---------------------------------------------------------------------------- a projection of measured acceptance
+def _decode_rows(method: str, fixed: list[list[float]], adaptive: list[float], hit_rate: float) -> list[dict]:
+    """`specd bench decode` JSON rows: one fixed-block row per domain, one cost-model row."""
+    rows = [{"method": method, "domain": f"d{i}", "temperature": 0.0, "batch": 1, "block": len(acc),
+             "fixed_block": True, "accept_per_pos": acc, "tau": 1 + sum(acc), "hit_rate": hit_rate}
+            for i, acc in enumerate(fixed)]
+    rows.append({"method": method, "domain": "d0", "temperature": 0.0, "batch": 1, "block": len(adaptive),
+                 "fixed_block": False, "accept_per_pos": adaptive, "tau": 1 + sum(adaptive), "hit_rate": 0.1})
+    return rows
+
+
+def test_acceptance_from_a_decode_bench_is_the_fixed_block_mean_of_the_domains(tmp_path):
+    bench = {"rows": _decode_rows("d3d-async", [[0.8, 0.6, 0.4, 0.2], [0.6, 0.4, 0.2, 0.0]], [0.9, 0.9], 0.7)}
+    measured = bench_acceptance(bench, method="d3d-async")
+    assert measured["block_size"] == 4 and measured["fixed_block"] and measured["hit_rate"] == pytest.approx(0.7)
+    assert measured["acceptance_per_pos"] == pytest.approx([0.7, 0.5, 0.3, 0.1])
+    profile = with_acceptance(load_profile(EXAMPLE), measured, label="test")
+    assert profile.acceptance(4) == pytest.approx([0.7, 0.5, 0.3, 0.1]) and profile.hit_rate == pytest.approx(0.7)
+    assert profile.by_block == {} and profile.notes.startswith("PROJECTION")
+    with pytest.raises(ValueError, match="no rows of method 'dflash'.*--fixed-block"):
+        bench_acceptance(bench, method="dflash")
+
+
+def test_a_better_measured_acceptance_projects_a_larger_speedup(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    planner.add_arguments(parser)
+    speedups = []
+    for name, rate in (("weak", 0.3), ("strong", 0.9)):
+        acc = [rate ** (i + 1) for i in range(8)]
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"rows": _decode_rows("d3d-sync", [acc, acc], acc, float("nan"))}))
+        args = parser.parse_args(["--profile", str(EXAMPLE), "--gpus", "2", "--concurrency", "1", "--requests", "16",
+                                  "--block-sizes", "4,8", "--output-tokens", "64", "--prompt-tokens", "32",
+                                  "--mode", "sync", "--levels", "", "--acceptance-from", str(path),
+                                  "--acceptance-method", "d3d-sync", "--out", str(tmp_path / f"{name}.yaml")])
+        assert planner.run(args) == 0
+        out = capsys.readouterr().out
+        assert "PROJECTION, not a measurement" in out
+        speedups.append(float(re.search(r"\(([\d.]+)x plain\)", out).group(1)))
+    assert speedups[1] > speedups[0] * 1.5, speedups
