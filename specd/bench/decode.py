@@ -8,6 +8,8 @@ the same `SpeculativeEngine` code path:
 - ``dflash``     the DFlash-style drafter that reads target hidden states (sync: it must wait);
 - ``d3d-sync``   the D3D drafter drafting after each verification;
 - ``d3d-async``  the D3D drafter drafting the next block's candidates *during* verification;
+- ``d3d-lookup``, ``d3d-lookup-async``  D3D with prompt lookup beside it, the block expected to
+                 go further chosen per sequence and step (`specd.drafters.hybrid`), sync / async;
 - ``hf``         the peer a CPU user would otherwise run: `transformers`' ``generate`` (batch 1,
                  same model weights, same threads, no stop token either side);
 - ``hf-lookup``  ``generate`` with prompt lookup (``prompt_lookup_num_tokens=8``).
@@ -38,14 +40,16 @@ from specd.data import DOMAINS, load_tokenizer
 from specd.data.chat import ChatTemplate, render_prompt
 from specd.drafters.d3d import D3DDrafter
 from specd.drafters.dflash import DFlashDrafter
+from specd.drafters.hybrid import LookupHybridDrafter
 from specd.drafters.ngram import NgramDrafter
 from specd.engine import EngineConfig, SpeculativeEngine
 from specd.models.loading import load_model
 from specd.sampling import SamplingParams
 
-METHODS = ("ar", "ngram", "dflash", "d3d-sync", "d3d-async", "hf", "hf-lookup")
+METHODS = ("ar", "ngram", "dflash", "d3d-sync", "d3d-async", "d3d-lookup", "d3d-lookup-async", "hf", "hf-lookup")
 PEERS = ("hf", "hf-lookup")  # transformers' generate: batch 1 only
-DRAFTERS = ("dflash", "d3d-sync", "d3d-async")  # need the target's zoo drafters
+DRAFTERS = ("dflash", "d3d-sync", "d3d-async", "d3d-lookup", "d3d-lookup-async")  # need the target's zoo drafters
+ASYNC = ("d3d-async", "d3d-lookup-async")  # draft during verification: half the cores each
 
 
 @dataclass(kw_only=True, slots=True)
@@ -99,6 +103,8 @@ class DecodeRow:
     """Share of sequence passes that verified a drafted block (the rest the cost model ran plain)."""
     fixed_block: bool = False
     """Every block verified at full length (``--fixed-block``), not the cost model's choice."""
+    lookup_share: float = 0.0
+    """For the hybrids: the share of freshly drafted blocks that prompt lookup supplied."""
     speedup: float = field(default=1.0)
 
 
@@ -108,7 +114,7 @@ class _Models:
     def __init__(self, target: str, methods: tuple[str, ...]) -> None:
         self.target_dir = zoo.ensure(target)
         self.target = load_model(self.target_dir)
-        self.d3d = load_model(zoo.ensure(f"d3d-{target}")) if {"d3d-sync", "d3d-async"} & set(methods) else None
+        self.d3d = load_model(zoo.ensure(f"d3d-{target}")) if set(DRAFTERS[1:]) & set(methods) else None
         self.dflash = load_model(zoo.ensure(f"dflash-{target}")) if "dflash" in methods else None
         self.hf = None
         if set(PEERS) & set(methods):
@@ -126,6 +132,8 @@ class _Models:
             return NgramDrafter(vocab_size=self.target.config.vocab_size)
         if method == "dflash":
             return DFlashDrafter(self.dflash, max_num_seqs=batch)
+        if method in ("d3d-lookup", "d3d-lookup-async"):
+            return LookupHybridDrafter(D3DDrafter(self.d3d, max_num_seqs=batch))
         return D3DDrafter(self.d3d, max_num_seqs=batch)
 
 
@@ -187,7 +195,7 @@ def _run_case(models: _Models, method: str, prompts: list[list[int]], *, tempera
     if method in PEERS:
         return _run_peer(models, method, prompts, temperature=temperature, max_tokens=max_tokens, threads=threads)
     drafter = models.drafter(method, batch)
-    mode = "async" if method == "d3d-async" else "sync"
+    mode = "async" if method in ASYNC else "sync"
     config = EngineConfig(max_num_seqs=batch, block_size=0 if method == "ar" else block, mode=mode,
                           adaptive_block=not fixed_block)
     engine = SpeculativeEngine(models.target, drafter, config)
@@ -202,6 +210,7 @@ def _run_case(models: _Models, method: str, prompts: list[list[int]], *, tempera
     engine.close()
     stats = engine.stats
     tokens = sum(len(g.token_ids) for g in generations)
+    chosen = drafter.num_chosen if isinstance(drafter, LookupHybridDrafter) else None
     return DecodeRow(
         method=method, domain="", temperature=temperature, batch=batch, block=block if method != "ar" else 0,
         tau=stats.tau, acceptance_per_pos=stats.acceptance_per_pos, hit_rate=stats.hit_rate, tokens=tokens,
@@ -210,6 +219,7 @@ def _run_case(models: _Models, method: str, prompts: list[list[int]], *, tempera
         verified_block=stats.num_draft_tokens / stats.num_sequence_passes if stats.num_sequence_passes else 0.0,
         drafted=stats.num_drafts / stats.num_sequence_passes if stats.num_sequence_passes else 0.0,
         fixed_block=fixed_block,
+        lookup_share=chosen["lookup"] / max(sum(chosen.values()), 1) if chosen else 0.0,
     )
 
 
@@ -240,7 +250,7 @@ def bench_decode(settings: DecodeSettings) -> list[DecodeRow]:
     for domain, temperature, batch, block, method in tqdm(cases, desc="bench decode", unit="case"):
         # Repeat prompts so every batch size sees at least two full batches of work.
         work = (prompts[domain] * (2 * batch // len(prompts[domain]) + 1))[: max(len(prompts[domain]), 2 * batch)]
-        threads = settings.async_threads if method == "d3d-async" else settings.threads
+        threads = settings.async_threads if method in ASYNC else settings.threads
         row = run_case(models, method, work, temperature=temperature, batch=batch, block=block,
                        max_tokens=settings.max_tokens, threads=threads, seeded=settings.seeded,
                        fixed_block=settings.fixed_block)

@@ -55,7 +55,11 @@ class DraftBlock:
     """q for each drafted token (row i is the distribution token i was drawn from); None = deterministic."""
     confidence: list[float]
     """The drafter's estimate that position i is accepted (which needs every earlier one
-    accepted too): non-increasing, so sum(confidence) estimates the accepted length k."""
+    accepted too): non-increasing, so sum(confidence) estimates the accepted length k. For a
+    sampled block (``probs`` given) it must depend on q alone, not on the tokens drawn from it:
+    the engine decides from it how much of the block to verify, and a decision that looked at
+    the draws would bias which draws are verified (the rejection sampler's losslessness needs
+    each verified token distributed as its row of q)."""
 
     def __post_init__(self) -> None:
         if len(self.confidence) != len(self.tokens):

@@ -201,7 +201,11 @@ class D3DDrafter(Drafter):
                 tokens = keyed_sample(probs, params.seed, start)
             else:
                 tokens = sample(probs, seq.generator)
-            accept = probs[torch.arange(block_size), tokens]
+            # Not q(token): the engine chooses how much of the block to verify from these, and a
+            # choice that looked at the sampled tokens would bias which of them get verified (the
+            # rejection sampler needs every verified token distributed as q). E[q(token)] over
+            # q is the same figure on average and depends on q alone.
+            accept = probs.square().sum(-1)
         # The drafter's belief that each position is accepted, all earlier ones included.
         confidence = accept.cumprod(0)
         seq.returned.append((tokens.tolist(), dists))

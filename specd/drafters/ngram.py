@@ -58,9 +58,12 @@ class _SeqIndex:
             for j, ngram in zip(range(first, length), zip(*columns)):
                 table.setdefault(ngram, []).append(j)
 
-    def lookup(self) -> tuple[int, list[int]] | None:
-        """(n, positions that followed earlier occurrences of the last n tokens) for the longest n."""
-        ctx = self.context
+    def lookup(self, suffix: list[int] = ()) -> tuple[int, list[int]] | None:
+        """(n, positions that followed earlier occurrences of the last n tokens) for the longest n.
+
+        With ``suffix``: of the context followed by those (unindexed) tokens — a context the
+        sequence may reach, looked up without indexing it; matches are among indexed positions."""
+        ctx = self.context + list(suffix) if suffix else self.context
         for offset in range(len(self.followers) - 1, -1, -1):
             n = self.min_ngram + offset
             if n >= len(ctx):
@@ -121,15 +124,24 @@ class NgramDrafter(Drafter):
 
     def _draft_one(self, request: DraftRequest) -> DraftBlock:
         index = self._index(request.seq_id, request.context)
-        match = index.lookup()
+        return self._propose(index, [], request.block_size)
+
+    def draft_after(self, seq_id: int, context: list[int], suffix: list[int], block_size: int) -> DraftBlock:
+        """The block this drafter would propose after ``context + suffix``, with only ``context``
+        indexed (the suffix is a verification outcome not yet committed: `speculate`'s use)."""
+        check_block_size(block_size, self.max_block)
+        return self._propose(self._index(seq_id, context), list(suffix), block_size)
+
+    def _propose(self, index: _SeqIndex, suffix: list[int], block_size: int) -> DraftBlock:
+        match = index.lookup(suffix)
         if match is None:
             return DraftBlock.empty()
         _, positions = match
-        ctx = index.context
+        ctx = index.context + suffix if suffix else index.context
         length = len(ctx)
         start = positions[-1]  # the most recent occurrence
         tokens: list[int] = []
-        for i in range(request.block_size):
+        for i in range(block_size):
             # Past the end of the context keep copying with period length - start.
             tokens.append(ctx[start + i] if start + i < length else tokens[start + i - length])
         return DraftBlock(tokens=tokens, probs=None, confidence=self._confidence(ctx, positions, tokens))
