@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from specd import zoo
+from specd import precision, zoo
 from specd.bench import opd as bench_opd
 from specd.bench import gpu as bench_gpu
 from specd.bench import profile as bench_profile
@@ -165,7 +165,7 @@ def make_drafter(spec: str, target, *, target_dir: Path | None = None, max_num_s
         return None
     if spec == "ngram":
         return NgramDrafter(vocab_size=target.config.vocab_size)
-    model = load_model(spec)
+    model = load_model(spec, dtype=precision.drafter_dtype())
     if not isinstance(model, D3DModel):
         raise UsageError(f"{spec} is not a drafter (model_type {model.config.model_type!r}); use a D3D drafter directory, 'ngram' or 'none'")
     if model.config.vocab_size != target.config.vocab_size:
@@ -257,6 +257,10 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     settings.target = args.target
     settings.seeded = args.seeded
     settings.fixed_block = args.fixed_block
+    if args.draft_headroom is not None:
+        settings.draft_headroom = args.draft_headroom or None
+    if args.candidate_budget is not None:
+        settings.candidate_budget = args.candidate_budget
     if args.methods:
         settings.methods = tuple(args.methods.split(","))
         unknown = sorted(set(settings.methods) - set(METHODS))
@@ -469,6 +473,11 @@ def parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
                         help="seed every sampled request: measure keyed sampling, not the rejection sampler")
     decode.add_argument("--fixed-block", action="store_true",
                         help="verify every drafted block at its full length (acceptance), not the cost model's choice")
+    decode.add_argument("--draft-headroom", type=int,
+                        help="draft the cost model's last chosen length + this many tokens (0: full blocks); default "
+                             f"{DecodeSettings().draft_headroom}")
+    decode.add_argument("--candidate-budget", type=int,
+                        help=f"most outcomes drafted ahead per sequence in async mode; default {DecodeSettings().candidate_budget}")
     decode.add_argument("--out", default="out/bench", help="directory for plots and JSON")
     decode.add_argument("--json", help="JSON path (default OUT/decode.json)")
     decode.set_defaults(func=cmd_bench_decode)

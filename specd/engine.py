@@ -130,8 +130,10 @@ class EngineConfig:
     mode: str = field(default="async", metadata={"help": "async: draft during verification (D3D); sync: after"})
     """"async": the drafter drafts candidates for the next block while the target verifies
     (D3D); "sync": it drafts after verification (what a drafter reading target states must do)."""
-    candidate_budget: int = field(default=4, metadata={"help": "outcomes (k, c) drafted ahead per sequence"})
-    """Outcomes (k, c) per sequence the drafter drafts a next block for, in async mode."""
+    candidate_budget: int = field(default=4, metadata={"help": "most outcomes (k, c) drafted ahead per sequence"})
+    """Most outcomes (k, c) per sequence the drafter drafts a next block for, in async mode. The
+    engine drafts fewer while the candidate pass outlasts the verification beside it (it then
+    sits on the critical path) and returns to this many once it fits again."""
     adaptive_block: bool = field(default=True, metadata={"help": "let the cost model shorten blocks"})
     """Let the cost model shorten blocks (down to plain decoding) when that is faster."""
     drafter_retry_seconds: float | None = field(default=None, metadata={
@@ -286,6 +288,7 @@ class SpeculativeEngine:
             self._graphs = GraphRunner(target, self.cache, tokens=tuple(range(1, self.config.block_size + 2)))
         self.cost_model = CostModel()
         self._chosen_length = self.config.block_size  # the cost model's last choice (draft_headroom)
+        self._budget = self.config.candidate_budget  # outcomes drafted ahead (async), adapted per step
         self.stats = EngineStats()
         self._pool = ThreadPoolExecutor(max_workers=1) if self.config.mode == "async" else None
         self._parked_drafter = None  # a drafter that failed, until its retry time
@@ -358,8 +361,12 @@ class SpeculativeEngine:
         logits, firsts = self._verify_pass(running, blocks)
         self.stats.seconds_target += time.perf_counter() - start
         self.stats.num_target_passes += 1
-        self.cost_model.observe_pass(len(running), max(len(b) for b in blocks) + 1, time.perf_counter() - start)
+        pass_seconds = time.perf_counter() - start
+        self.cost_model.observe_pass(len(running), max(len(b) for b in blocks) + 1, pass_seconds)
+        joined = time.perf_counter()
         candidates = self._join(future)
+        if future is not None:
+            self._adapt_budget(time.perf_counter() - joined, pass_seconds)
         results = self._verify_all(running, blocks, logits, firsts)
         paths = [None] * self.config.max_num_seqs
         for i, (seq, block, result) in enumerate(zip(running, blocks, results)):
@@ -452,12 +459,21 @@ class SpeculativeEngine:
             SpeculateRequest(
                 # The context itself, not a copy: nothing appends to it before `_join` returns.
                 seq_id=s.seq_id, context=s.context, block=block, block_size=self._draft_size(),
-                budget=self.config.candidate_budget, params=s.params,
+                budget=self._budget, params=s.params,
             )
             for s, block in zip(running, blocks)
         ]
         self.stats.num_drafter_calls += 1
         return self._pool.submit(self.drafter.speculate, requests)
+
+    def _adapt_budget(self, waited: float, pass_seconds: float) -> None:
+        """Keep the candidate pass inside the verification pass it runs beside: one outcome fewer
+        after a step that waited for it, one more (up to ``candidate_budget``) after one that
+        did not. A candidate is worth a blocking draft only while it costs the step nothing."""
+        if waited > 0.05 * pass_seconds:
+            self._budget = max(1, self._budget - 1)
+        elif waited < 0.01 * pass_seconds:
+            self._budget = min(self.config.candidate_budget, self._budget + 1)
 
     def _join(self, future):
         if future is None:

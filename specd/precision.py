@@ -43,3 +43,11 @@ def describe() -> str:
 def cpu_autocast(enabled: bool = True) -> contextlib.AbstractContextManager:
     """bf16 autocast on the CPU when ``enabled`` and the CPU computes bf16; fp32 otherwise."""
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled and cpu_computes_bf16())
+
+
+def drafter_dtype(device: torch.device | str = "cpu") -> torch.dtype | None:
+    """The dtype to run a drafter in: bf16 on a CPU that computes it natively, else None (the
+    checkpoint's own). A drafter's passes (a block, and in async mode its candidates beside it)
+    are compute-bound on a CPU, where bf16 runs them about twice as fast; its output only
+    proposes — the target verifies in its own dtype, so output stays exact."""
+    return torch.bfloat16 if torch.device(device).type == "cpu" and cpu_computes_bf16() else None

@@ -58,6 +58,7 @@ from services.common.telemetry import get_tracer, start_metrics_server
 from services.common.wire import block_to_proto, params_from_proto
 from services.drafter.weights import WeightWatcher
 from specd._proto.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, trainer_pb2_grpc
+from specd import precision
 from specd.drafters.base import DraftRequest, SpeculateRequest, check_block_size
 from specd.drafters.d3d import D3DDrafter
 from specd.models.d3d import D3DModel
@@ -239,7 +240,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         not fit the weights being served; the old weights then stay.
         """
         try:
-            model = load_model(directory, device=self.device, attention_backend=self.attention_backend)
+            model = load_model(directory, device=self.device, attention_backend=self.attention_backend,
+                               dtype=precision.drafter_dtype(self.device))
             self._check_compatible(model, directory)
         except ModelLoadError as err:
             self.metrics.weight_refused.inc()

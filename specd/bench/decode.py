@@ -35,7 +35,7 @@ import torch
 from matplotlib.figure import Figure  # object API: no pyplot state, no display backend
 from tqdm import tqdm
 
-from specd import zoo
+from specd import precision, zoo
 from specd.data import DOMAINS, load_tokenizer
 from specd.data.chat import ChatTemplate, render_prompt
 from specd.drafters.d3d import D3DDrafter
@@ -71,6 +71,11 @@ class DecodeSettings:
     fixed_block: bool = False
     """Verify every drafted block at its full length, every step (acceptance by position at that
     block), instead of the cost model's choice of length and of whether to draft at all."""
+    draft_headroom: int | None = None
+    """`EngineConfig.draft_headroom`: draft the cost model's last chosen length plus this many
+    tokens (None: the full block)."""
+    candidate_budget: int = 4
+    """`EngineConfig.candidate_budget`: most outcomes drafted ahead per sequence (async)."""
     async_threads: int = 1
     """Intra-op threads for d3d-async: the target pass and the drafter's candidate pass run at
     the same time, so each gets half the cores instead of both fighting for all of them."""
@@ -114,8 +119,10 @@ class _Models:
     def __init__(self, target: str, methods: tuple[str, ...]) -> None:
         self.target_dir = zoo.ensure(target)
         self.target = load_model(self.target_dir)
-        self.d3d = load_model(zoo.ensure(f"d3d-{target}")) if set(DRAFTERS[1:]) & set(methods) else None
-        self.dflash = load_model(zoo.ensure(f"dflash-{target}")) if "dflash" in methods else None
+        # Drafters in bf16 where the CPU computes it (`precision.drafter_dtype`), both kinds alike.
+        dtype = precision.drafter_dtype()
+        self.d3d = load_model(zoo.ensure(f"d3d-{target}"), dtype=dtype) if set(DRAFTERS[1:]) & set(methods) else None
+        self.dflash = load_model(zoo.ensure(f"dflash-{target}"), dtype=dtype) if "dflash" in methods else None
         self.hf = None
         if set(PEERS) & set(methods):
             try:
@@ -156,12 +163,14 @@ def domain_prompts(settings: DecodeSettings, target_dir: Path | None = None) -> 
 
 
 def run_case(models: _Models, method: str, prompts: list[list[int]], *, temperature: float, batch: int,
-             block: int, max_tokens: int, threads: int, seeded: bool = False, fixed_block: bool = False) -> DecodeRow:
+             block: int, max_tokens: int, threads: int, seeded: bool = False, fixed_block: bool = False,
+             draft_headroom: int | None = None, candidate_budget: int = 4) -> DecodeRow:
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         return _run_case(models, method, prompts, temperature=temperature, batch=batch, block=block,
-                         max_tokens=max_tokens, threads=threads, seeded=seeded, fixed_block=fixed_block)
+                         max_tokens=max_tokens, threads=threads, seeded=seeded, fixed_block=fixed_block,
+                         draft_headroom=draft_headroom, candidate_budget=candidate_budget)
     finally:
         torch.set_num_threads(previous_threads)
 
@@ -191,13 +200,15 @@ def _run_peer(models: _Models, method: str, prompts: list[list[int]], *, tempera
 
 
 def _run_case(models: _Models, method: str, prompts: list[list[int]], *, temperature: float, batch: int,
-              block: int, max_tokens: int, threads: int, seeded: bool = False, fixed_block: bool = False) -> DecodeRow:
+              block: int, max_tokens: int, threads: int, seeded: bool = False, fixed_block: bool = False,
+              draft_headroom: int | None = None, candidate_budget: int = 4) -> DecodeRow:
     if method in PEERS:
         return _run_peer(models, method, prompts, temperature=temperature, max_tokens=max_tokens, threads=threads)
     drafter = models.drafter(method, batch)
     mode = "async" if method in ASYNC else "sync"
     config = EngineConfig(max_num_seqs=batch, block_size=0 if method == "ar" else block, mode=mode,
-                          adaptive_block=not fixed_block)
+                          adaptive_block=not fixed_block, draft_headroom=draft_headroom,
+                          candidate_budget=candidate_budget)
     engine = SpeculativeEngine(models.target, drafter, config)
     # Unseeded by default: a sampled request without a seed is verified by the rejection sampler, as
     # most traffic is; ``seeded`` measures the keyed path (`specd.sampling.verify_keyed`:
@@ -253,7 +264,8 @@ def bench_decode(settings: DecodeSettings) -> list[DecodeRow]:
         threads = settings.async_threads if method in ASYNC else settings.threads
         row = run_case(models, method, work, temperature=temperature, batch=batch, block=block,
                        max_tokens=settings.max_tokens, threads=threads, seeded=settings.seeded,
-                       fixed_block=settings.fixed_block)
+                       fixed_block=settings.fixed_block, draft_headroom=settings.draft_headroom,
+                       candidate_budget=settings.candidate_budget)
         row.domain = domain
         rows.append(row)
     # Speedup: over specd's own plain decoding in this run (a peer's row too: < 1 means specd is faster).

@@ -4,6 +4,7 @@ and a seeded sampled request gives plain decoding's tokens for its seed, whateve
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -380,6 +381,49 @@ def test_draft_headroom_drafts_what_is_verified_and_stays_lossless(target, draft
     assert any(size < 16 for size, _ in asked[1:]), "the drafted block never followed the chosen length"
     with pytest.raises(ValueError, match="draft_headroom"):
         EngineConfig(draft_headroom=0)
+
+
+class _TimedSpeculation(Drafter):
+    """A D3D drafter whose candidate pass takes ``delay`` seconds (0: answers at once, with no
+    candidates); records each budget asked for."""
+
+    name = "timed"
+
+    def __init__(self, inner: D3DDrafter, delay: float):
+        self.inner, self.delay, self.budgets = inner, delay, []
+        self.vocab_size, self.max_block, self.can_speculate = inner.vocab_size, inner.max_block, True
+
+    def draft(self, requests):
+        return self.inner.draft(requests)
+
+    def speculate(self, requests):
+        self.budgets.append(requests[0].budget)
+        if not self.delay:  # instant (no candidates): it always fits
+            return [{} for _ in requests]
+        time.sleep(self.delay)
+        return self.inner.speculate(requests)
+
+    def release(self, seq_id):
+        self.inner.release(seq_id)
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05])
+def test_candidate_budget_shrinks_while_the_candidate_pass_outlasts_verification(target, drafter_model, delay):
+    """A candidate pass slower than the verification beside it is cut down to one outcome (it is
+    on the critical path); one that fits keeps the configured budget. Output is unchanged."""
+    batch = prompts(1)
+    params = SamplingParams(max_tokens=24)
+    expected = [g.token_ids for g in autoregressive(target, batch, params)]
+    drafter = _TimedSpeculation(D3DDrafter(drafter_model, max_num_seqs=1), delay)
+    engine = SpeculativeEngine(target, drafter, EngineConfig(max_num_seqs=1, block_size=4, mode="async",
+                                                             candidate_budget=4, adaptive_block=False))
+    assert [g.token_ids for g in engine.generate(batch, params)] == expected
+    engine.close()
+    assert drafter.budgets[0] == 4
+    if delay:
+        assert drafter.budgets[3:] and set(drafter.budgets[3:]) == {1}, drafter.budgets
+    else:
+        assert len(drafter.budgets) > 3 and set(drafter.budgets) == {4}, drafter.budgets
 
 
 # ---------------------------------------------------------------------------- seeded sampling
