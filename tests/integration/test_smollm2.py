@@ -124,6 +124,7 @@ def _drafter(method: str, target, num_seqs: int):
     if method == "ngram":
         return NgramDrafter(vocab_size=target.config.vocab_size)
     from specd.drafters.d3d import D3DDrafter
+    from specd.drafters.hybrid import LookupHybridDrafter
     from specd.drafters.dflash import DFlashDrafter
     from specd.models.d3d import D3DModel
     from specd.train.drafter import init_from_target
@@ -136,10 +137,14 @@ def _drafter(method: str, target, num_seqs: int):
     model.set_draft_vocab(list(range(4096)))
     assert init_from_target(model, target, layers_from=[0])
     model.eval()
-    return DFlashDrafter(model, max_num_seqs=num_seqs) if method == "dflash" else D3DDrafter(model, max_num_seqs=num_seqs)
+    if method == "dflash":
+        return DFlashDrafter(model, max_num_seqs=num_seqs)
+    if method.startswith("d3d-lookup"):
+        return LookupHybridDrafter(D3DDrafter(model, max_num_seqs=num_seqs))
+    return D3DDrafter(model, max_num_seqs=num_seqs)
 
 
-@pytest.mark.parametrize("method", ["ngram", "dflash", "d3d-sync", "d3d-async"])
+@pytest.mark.parametrize("method", ["ngram", "dflash", "d3d-sync", "d3d-async", "d3d-lookup", "d3d-lookup-async"])
 @pytest.mark.parametrize("num_seqs", [1, 8])
 def test_speculative_greedy_output_equals_plain_greedy_output(ours, chat_prompts, method, num_seqs):
     """Every bench decode method on ragged chat prompts, at batch 1 and 8. Blocks are verified at
@@ -149,7 +154,7 @@ def test_speculative_greedy_output_equals_plain_greedy_output(ours, chat_prompts
     prompts = chat_prompts[-num_seqs:]
     params = SamplingParams(max_tokens=32)
     expected = [g.token_ids for g in autoregressive(ours, prompts, params)]
-    mode = "async" if method == "d3d-async" else "sync"
+    mode = "async" if method.endswith("async") else "sync"
     engine = SpeculativeEngine(ours, _drafter(method, ours, num_seqs),
                                EngineConfig(max_num_seqs=num_seqs, block_size=8, mode=mode, adaptive_block=False))
     assert [g.token_ids for g in engine.generate(prompts, params)] == expected
