@@ -54,6 +54,7 @@ from specd.data.chat import ChatTemplate
 from specd.models.gguf_convert import FetchError
 from specd.drafters.d3d import D3DDrafter
 from specd.drafters.dflash import DFlashDrafter
+from specd.drafters.hybrid import LookupHybridDrafter
 from specd.drafters.ngram import NgramDrafter
 from specd.engine import EngineConfig, SpeculativeEngine, check_prompt
 from specd.flags import add_flags, from_flags
@@ -122,6 +123,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop_token_ids=() if args.ignore_eos else model.config.stop_token_ids,
     )
     drafter = make_drafter(args.drafter, model, target_dir=directory)
+    if args.lookup:
+        if drafter is None or isinstance(drafter, NgramDrafter):
+            raise UsageError("--lookup puts prompt lookup beside a drafter model: give --drafter DIR")
+        drafter = LookupHybridDrafter(drafter)
     start = time.perf_counter()
     if drafter is None and args.drafter == "none":
         engine = SpeculativeEngine(model, None, EngineConfig(max_num_seqs=1, block_size=0))
@@ -411,6 +416,8 @@ def parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end tokens")
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: the checkpoint's")
     gen.add_argument("--drafter", default="none", help="a drafter directory, 'ngram' (prompt lookup) or 'none' (plain)")
+    gen.add_argument("--lookup", action="store_true",
+                     help="with --drafter DIR: prompt lookup beside it, the block expected to go further each step")
     add_flags(gen, EngineConfig, ("block_size",))
     gen.add_argument("--mode", choices=["async", "sync"], default=None,
                      help="draft during verification (default for D3D) or after it")

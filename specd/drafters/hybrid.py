@@ -14,7 +14,9 @@ each calibrated against what the target went on to commit:
   tokens do not depend on the draft);
 - a source's scale is matched / predicted over recent blocks (both cut at the same length), and
   the block with the larger scaled expected accepted length ``scale * sum_i confidence_i`` wins,
-  returned with its scaled confidences so the engine's cost model sees one calibrated estimate.
+  returned with its scaled confidences so the engine's cost model sees one calibrated estimate;
+- lookup runs first (it costs nothing), and the model's pass is skipped for a sequence whose
+  lookup block is expected to reach well past the model's recent blocks (``SKIP_MARGIN``).
 
 Choosing between two proposals is lossless as any drafting is: the target verifies whatever is
 proposed, and a lookup block is deterministic (q one-hot), which the rejection sampler handles.
@@ -34,6 +36,9 @@ from specd.drafters.base import DraftBlock, Drafter, DraftRequest, Outcome, Spec
 from specd.drafters.ngram import NgramDrafter
 
 SOURCES = ("model", "lookup")
+SKIP_MARGIN = 1.5
+"""The model is not asked for a block when lookup's expected accepted length exceeds this many
+times what the model's recent blocks were expected to reach."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -78,14 +83,25 @@ class LookupHybridDrafter(Drafter):
         self.needs_target_hidden = model.needs_target_hidden
         self.calibration = {source: _Calibration() for source in SOURCES}
         self.num_chosen = {source: 0 for source in SOURCES}
+        self.num_model_skipped = 0
+        self._model_expected = 1.0  # calibrated accepted length of the model's recent blocks (EMA)
         self._proposals: dict[int, _Proposals] = {}
 
     # ---------------------------------------------------------------- the Drafter protocol
     def draft(self, requests: list[DraftRequest]) -> list[DraftBlock]:
         for request in requests:
             self._learn(request.seq_id, request.context)
-        modelled = self.model.draft(requests)
         looked = self.lookup.draft(requests)
+        # The model's pass is the cost: skip it for a sequence whose lookup block is expected to
+        # go well past what the model's blocks have lately been expected to.
+        ask = [i for i, block in enumerate(looked)
+               if not (block.tokens and self._score("lookup", block) > SKIP_MARGIN * self._model_expected)]
+        self.num_model_skipped += len(requests) - len(ask)
+        modelled = [DraftBlock.empty()] * len(requests)
+        if ask:
+            for i, block in zip(ask, self.model.draft([requests[i] for i in ask])):
+                modelled[i] = block
+                self._model_expected = 0.9 * self._model_expected + 0.1 * self._score("model", block)
         return [self._choose(r.seq_id, len(r.context), m, l) for r, m, l in zip(requests, modelled, looked)]
 
     def speculate(self, requests: list[SpeculateRequest]) -> list[dict[Outcome, DraftBlock]]:

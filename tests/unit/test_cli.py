@@ -53,6 +53,8 @@ def test_sampling_is_seeded(model_dir, capsys):
         (["--prompt-ids", "1,x"], "comma-separated integers"),
         (["--prompt", "hello"], "no tokenizer.json"),
         (["--prompt-ids", "1", "--top-p", "0"], "top_p"),
+        (["--prompt-ids", "1", "--lookup"], "--lookup puts prompt lookup beside a drafter model"),
+        (["--prompt-ids", "1", "--drafter", "ngram", "--lookup"], "give --drafter DIR"),
     ],
 )
 def test_bad_generate_input(model_dir, capsys, argv_tail, message):

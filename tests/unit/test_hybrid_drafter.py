@@ -71,8 +71,10 @@ class _Fixed(Drafter):
     def __init__(self, tokens: list[int], confidence: list[float]) -> None:
         self.vocab_size = VOCAB
         self.tokens, self.confidence = tokens, confidence
+        self.calls = 0
 
     def draft(self, requests: list[DraftRequest]) -> list[DraftBlock]:
+        self.calls += 1
         return [DraftBlock(tokens=self.tokens[: r.block_size], confidence=self.confidence[: r.block_size]) for r in requests]
 
 
@@ -95,6 +97,8 @@ def test_the_block_expected_to_go_further_is_chosen_and_calibration_learns_from_
     assert all(0 < c <= 1 for c in block.confidence)
     assert block.confidence == sorted(block.confidence, reverse=True)
     assert hybrid.num_chosen == {"model": 1, "lookup": 3}
+    # Trusted far above the model's recent blocks, lookup spares the model's pass.
+    assert model.calls < 4 and hybrid.num_model_skipped == 4 - model.calls
 
 
 def test_nothing_to_look_up_leaves_the_model_block():
