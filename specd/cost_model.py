@@ -17,8 +17,8 @@ cost: a blocking draft (sync mode, or a miss), or the drafter's speculation besi
 taking the target's core. Whether to speculate at all is decided before that, by what whole
 steps delivered (`should_speculate`): committed tokens per second of a step (drafting, target
 pass, verification and all) measured for speculative and for plain steps of the same batch
-bucket, the better arm taken, the other tried once every ``explore_every`` decisions so its
-figure stays current. Nothing there is a constant of a machine: on a CPU at batch 16 a plain
+bucket, the better arm taken, the other tried again after ``explore_every`` decisions, then
+after gaps that double while it keeps losing (an exploration is a whole losing step). Nothing there is a constant of a machine: on a CPU at batch 16 a plain
 step wins and speculation turns itself off; at batch 1, or where passes are flat, it stays on.
 """
 
@@ -95,6 +95,12 @@ class CostModel:
     """(batch bucket, speculative?) -> committed tokens per second of whole steps."""
     decisions: dict[int, int] = field(default_factory=dict)
     """Batch bucket -> `should_speculate` calls so far (the exploration clock)."""
+    max_explore_every: int = 128
+    """Longest gap between explorations of the losing arm (see `should_speculate`)."""
+    explore_gap: dict[int, int] = field(default_factory=dict)
+    """Batch bucket -> decisions until the losing arm is tried again (doubles while it keeps losing)."""
+    next_explore: dict[int, int] = field(default_factory=dict)
+    last_better: dict[int, bool] = field(default_factory=dict)
 
     @staticmethod
     def _bucket(num_seqs: int) -> int:
@@ -116,8 +122,11 @@ class CostModel:
     def should_speculate(self, num_seqs: int) -> bool:
         """Whether this step drafts at all (see the module docstring): the arm whose whole steps
         delivered more tokens per second at this batch; arms not yet measured are tried
-        (two speculative steps first, then one plain step); the losing arm once every
-        ``explore_every`` decisions."""
+        (two speculative steps first, then one plain step). The losing arm is tried again after
+        ``explore_every`` decisions, then after twice as many each time it is still the loser
+        (up to ``max_explore_every``), and again after ``explore_every`` once the arms swap: an
+        exploration costs a whole losing step (at high batch, a blocking draft for every
+        sequence), so a loser that keeps losing is looked at less and less."""
         bucket = self._bucket(num_seqs)
         count = self.decisions.get(bucket, 0) + 1
         self.decisions[bucket] = count
@@ -127,7 +136,16 @@ class CostModel:
         if plain is None:
             return False
         better = speculative.value >= plain.value
-        return better if count % self.explore_every else not better
+        if self.last_better.get(bucket, better) != better:  # the arms swapped: watch closely again
+            self.explore_gap[bucket] = self.explore_every
+            self.next_explore[bucket] = count + self.explore_every
+        self.last_better[bucket] = better
+        gap = self.explore_gap.setdefault(bucket, self.explore_every)
+        if count < self.next_explore.setdefault(bucket, count + gap):
+            return better
+        self.explore_gap[bucket] = min(2 * gap, self.max_explore_every)
+        self.next_explore[bucket] = count + self.explore_gap[bucket]
+        return not better
 
     def observe_acceptance(self, predicted: float, accepted: int) -> None:
         if predicted > 0.05:

@@ -28,15 +28,26 @@ def _decisions(model: CostModel, num_seqs: int, rates: dict[bool, float], steps:
 
 
 @pytest.mark.parametrize("faster", [True, False])
-def test_should_speculate_takes_the_faster_arm_and_explores_the_other(faster):
-    model = CostModel(explore_every=16)
+def test_should_speculate_takes_the_faster_arm_and_explores_the_other_less_and_less(faster):
+    model = CostModel(explore_every=16, max_explore_every=128)
     rates = {faster: 30.0, not faster: 10.0}
-    decisions = _decisions(model, 4, rates, 320)
-    tail = decisions[16:]  # past the first measurements of both arms
-    assert tail.count(faster) >= len(tail) * (1 - 1 / 16) - 1
-    assert tail.count(not faster) >= len(tail) // 16 - 1  # the losing arm is still measured
+    decisions = _decisions(model, 4, rates, 640)
+    tail = decisions[4:]  # past the first measurements of both arms
+    explored = [i for i, arm in enumerate(tail) if arm != faster]
+    assert len(explored) >= 5  # the losing arm is still measured ...
+    gaps = [b - a for a, b in zip(explored, explored[1:])]
+    assert gaps == sorted(gaps) and gaps[0] <= 32 and gaps[-1] == 128, gaps  # ... ever more rarely, up to the cap
     # Each batch bucket decides on its own figures.
     assert _decisions(model, 16, {True: 5.0, False: 50.0}, 64)[16:].count(True) <= 4
+
+
+def test_a_loser_that_starts_winning_is_watched_closely_again():
+    model = CostModel(explore_every=8, max_explore_every=64)
+    _decisions(model, 1, {True: 5.0, False: 10.0}, 200)  # plain wins: explorations 64 apart by now
+    late = _decisions(model, 1, {True: 40.0, False: 10.0}, 200)
+    first = late.index(True)
+    assert first <= 64  # found at the next exploration at the latest ...
+    assert late[first:].count(True) >= len(late[first:]) * 7 / 8 - 1  # ... and kept
 
 
 def test_a_rate_that_changes_changes_the_choice():
