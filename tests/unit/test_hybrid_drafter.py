@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_engine import sharpened
 
 from specd.drafters.base import DraftBlock, Drafter, DraftRequest
 from specd.drafters.d3d import D3DDrafter
@@ -24,10 +25,7 @@ VOCAB = FLAVOURS["debug"].vocab_size
 @pytest.fixture(scope="module")
 def target():
     torch.manual_seed(3)
-    model = Qwen3ForCausalLM(FLAVOURS["debug"]).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8)  # greedy text with structure (loops) that lookup can copy
-    return model
+    return sharpened(Qwen3ForCausalLM(FLAVOURS["debug"]))  # greedy text with loops that lookup can copy
 
 
 @pytest.fixture(scope="module")
