@@ -51,3 +51,14 @@ def drafter_dtype(device: torch.device | str = "cpu") -> torch.dtype | None:
     are compute-bound on a CPU, where bf16 runs them about twice as fast; its output only
     proposes — the target verifies in its own dtype, so output stays exact."""
     return torch.bfloat16 if torch.device(device).type == "cpu" and cpu_computes_bf16() else None
+
+
+DRAFTER_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_drafter_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype | None:
+    """A drafter dtype setting (``auto``, ``float32`` or ``bfloat16``) as a dtype: ``auto`` is
+    `drafter_dtype` for ``device``."""
+    if name not in DRAFTER_DTYPES:
+        raise ValueError(f"drafter dtype must be one of {', '.join(DRAFTER_DTYPES)}, got {name!r}")
+    return drafter_dtype(device) if name == "auto" else DRAFTER_DTYPES[name]

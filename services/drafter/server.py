@@ -87,6 +87,8 @@ class DrafterConfig(ServiceConfig):
     attention_backend: str = field(default="auto", metadata={
         "help": "how attention runs: auto (flash-attn on CUDA when installed, else sdpa), sdpa, flex, flash, triton"})
     threads: int = field(default=1, metadata={"help": "torch intra-op threads (0 = torch's default, from OMP_NUM_THREADS)"})
+    dtype: str = field(default="auto", metadata={
+        "help": "the drafter's dtype: auto (bf16 on a CPU that computes it natively, else the checkpoint's), float32, bfloat16"})
     trainer: str = field(default="", metadata={"help": "trainer address for GetCheckpoint (empty = no weight updates)"})
     redis_url: str = field(
         default="", metadata={"help": "Redis holding the live drafter version, e.g. redis://redis:6379/0 (empty = none)"}
@@ -213,12 +215,14 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         max_budget: int = 32,
         device: str | torch.device = "cpu",
         attention_backend: str = "auto",
+        dtype: str = "auto",
         metrics: DrafterMetrics | None = None,
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_budget = max_budget
         self.device = torch.device(device)
         self.attention_backend = attention_backend
+        self.dtype = precision.resolve_drafter_dtype(dtype, self.device)  # raises on a bad setting
         self.metrics = metrics or DrafterMetrics()
         self.drafter: D3DDrafter | None = None
         self.version = ""
@@ -241,7 +245,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         """
         try:
             model = load_model(directory, device=self.device, attention_backend=self.attention_backend,
-                               dtype=precision.drafter_dtype(self.device))
+                               dtype=self.dtype)
             self._check_compatible(model, directory)
         except ModelLoadError as err:
             self.metrics.weight_refused.inc()
@@ -505,7 +509,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         torch.set_num_threads(config.threads)
     servicer = DrafterServicer(
         max_num_seqs=config.max_num_seqs, max_budget=config.max_budget, device=config.device,
-        attention_backend=config.attention_backend, metrics=DrafterMetrics(prometheus_client.REGISTRY),
+        attention_backend=config.attention_backend, dtype=config.dtype, metrics=DrafterMetrics(prometheus_client.REGISTRY),
     )
     # Each open Speculate stream (one per verifier) holds a worker thread for its lifetime.
     server = GrpcServer("specd-drafter", config, max_workers=256)  # also sets up tracing
