@@ -53,12 +53,12 @@ def drafter_dtype(device: torch.device | str = "cpu") -> torch.dtype | None:
     return torch.bfloat16 if torch.device(device).type == "cpu" and cpu_computes_bf16() else None
 
 
-DRAFTER_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+DRAFTER_DTYPES = {"auto": None, "checkpoint": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def resolve_drafter_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype | None:
-    """A drafter dtype setting (``auto``, ``float32`` or ``bfloat16``) as a dtype: ``auto`` is
-    `drafter_dtype` for ``device``."""
+    """A drafter dtype setting (``auto``, ``checkpoint``, ``float32`` or ``bfloat16``) as a dtype:
+    ``auto`` is `drafter_dtype` for ``device``, ``checkpoint`` (None) the checkpoint's own."""
     if name not in DRAFTER_DTYPES:
         raise ValueError(f"drafter dtype must be one of {', '.join(DRAFTER_DTYPES)}, got {name!r}")
     return drafter_dtype(device) if name == "auto" else DRAFTER_DTYPES[name]

@@ -88,7 +88,7 @@ class DrafterConfig(ServiceConfig):
         "help": "how attention runs: auto (flash-attn on CUDA when installed, else sdpa), sdpa, flex, flash, triton"})
     threads: int = field(default=1, metadata={"help": "torch intra-op threads (0 = torch's default, from OMP_NUM_THREADS)"})
     dtype: str = field(default="auto", metadata={
-        "help": "the drafter's dtype: auto (bf16 on a CPU that computes it natively, else the checkpoint's), float32, bfloat16"})
+        "help": "the drafter's dtype: auto (bf16 on a CPU that computes it natively, else the checkpoint's), checkpoint, float32, bfloat16"})
     trainer: str = field(default="", metadata={"help": "trainer address for GetCheckpoint (empty = no weight updates)"})
     redis_url: str = field(
         default="", metadata={"help": "Redis holding the live drafter version, e.g. redis://redis:6379/0 (empty = none)"}
@@ -215,7 +215,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         max_budget: int = 32,
         device: str | torch.device = "cpu",
         attention_backend: str = "auto",
-        dtype: str = "auto",
+        dtype: str = "checkpoint",
         metrics: DrafterMetrics | None = None,
     ) -> None:
         self.max_num_seqs = max_num_seqs

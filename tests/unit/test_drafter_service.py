@@ -40,7 +40,6 @@ from specd.drafters.d3d import D3DDrafter
 from specd.engine import EngineConfig, SpeculativeEngine, autoregressive
 from specd.models.d3d import FLAVOURS as D3D_FLAVOURS
 from specd.models.d3d import D3DModel
-from specd import precision
 from specd.models.loading import ModelLoadError, file_sha256, load_model, save_model
 from specd.models.qwen3 import FLAVOURS as QWEN3_FLAVOURS
 from specd.models.qwen3 import Qwen3ForCausalLM
@@ -94,8 +93,9 @@ def metric(servicer: DrafterServicer, sample: str) -> float | None:
 
 
 def reference(directory: Path, max_num_seqs: int = 4) -> D3DDrafter:
-    """The in-process drafter a replica must equal: the same weights in the same dtype."""
-    return D3DDrafter(load_model(directory, dtype=precision.drafter_dtype()), max_num_seqs=max_num_seqs)
+    """The in-process drafter a replica must equal: the same weights in the same dtype (a
+    servicer built without a dtype keeps the checkpoint's)."""
+    return D3DDrafter(load_model(directory), max_num_seqs=max_num_seqs)
 
 
 def prompt(seed: int, length: int = 9) -> list[int]:
