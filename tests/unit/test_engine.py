@@ -12,6 +12,7 @@ import torch
 from specd.drafters.base import DraftBlock, Drafter, DrafterUnavailable, DraftRequest
 from specd.drafters.d3d import D3DDrafter
 from specd.drafters.ngram import NgramDrafter
+from specd.cost_model import CostModel
 from specd.engine import EngineConfig, SpeculativeEngine, autoregressive
 from specd.models.d3d import FLAVOURS as D3D_FLAVOURS
 from specd.models.d3d import D3DModel
@@ -375,6 +376,8 @@ def test_draft_headroom_drafts_what_is_verified_and_stays_lossless(target, draft
             return _call(requests)
         setattr(drafter, name, record)
     engine = SpeculativeEngine(target, drafter, EngineConfig(max_num_seqs=4, block_size=16, mode=mode, draft_headroom=2))
+    # Speculate at least every other step whatever the timings say, so there are lengths to follow.
+    engine.cost_model = CostModel(explore_every=2, max_explore_every=2)
     # A random drafter's confidence is low: the cost model picks short lengths.
     got = [g.token_ids for g in engine.generate(batch, params)]
     engine.close()
