@@ -2,8 +2,11 @@
 
 A target pass over ``t`` tokens per sequence at batch ``n`` costs ``c_n(t) ~ a_n + b_n * t``
 seconds; the line is fitted online from the passes the engine times (exponentially weighted
-least squares), starting from a prior slope of ``b/a = 1/16`` (what a small model on a CPU
-shows; a GPU at low batch is flatter, and the fit learns that within a few steps).
+least squares; prefill passes are left out, their cost is the prompt's), starting from a prior
+slope of ``b/a = n/16``: a pass's cost follows its *total* tokens once they are past what the
+weights' reads hide (a small model on a CPU at batch 1 shows about 1/16; at batch 16 every
+drafted token per sequence adds 16 to the pass; a GPU is flatter, and the fit learns that
+within a few steps).
 
 Verifying ``L`` drafted tokens of a sequence whose drafter believes position ``i`` and all before
 it are accepted with probability ``a_i`` (`DraftBlock.confidence`) is expected to commit
@@ -11,6 +14,10 @@ it are accepted with probability ``a_i`` (`DraftBlock.confidence`) is expected t
 calibrates the drafter's confidence against what the target actually accepted. One ``L`` is
 chosen for the whole batch (padding makes the longest block the cost), maximising
 ``sum_s E_s(L) / c_n(L + 1)``; ``L = 0`` is plain decoding, chosen when speculation does not pay.
+So that the fit keeps seeing lengths beyond its choice, the first choice and every
+``explore_every``-th after it verify twice the chosen length (at least 1, at most the block)
+instead: where passes turn out flat a long block is found in a few doublings, and an exploration
+at batch 16 on a CPU costs a pass of two tokens per sequence, not of seventeen.
 
 That choice is made after the step's blocks were drafted, so it cannot save the drafter's own
 cost: a blocking draft (sync mode, or a miss), or the drafter's speculation beside the pass
@@ -53,9 +60,10 @@ class _Line:
         mean_t, mean_c = self.sum_t / self.weight, self.sum_c / self.weight
         var_t = self.sum_tt / self.weight - mean_t * mean_t
         if var_t > 1e-6:
-            slope = (self.sum_tc / self.weight - mean_t * mean_c) / var_t
+            # A pass is never cheaper for more tokens: a slope below zero is timing noise on flat passes.
+            slope = max(0.0, (self.sum_tc / self.weight - mean_t * mean_c) / var_t)
             intercept = mean_c - slope * mean_t
-            if intercept > 0 and slope >= 0:
+            if intercept > 0:
                 return intercept + slope * tokens
         # One distinct length seen so far: scale the prior line through the observed mean.
         base = mean_c / (1 + prior_slope_ratio * mean_t)
@@ -84,12 +92,12 @@ class _Rate:
 @dataclass(kw_only=True, slots=True)
 class CostModel:
     prior_slope_ratio: float = 1 / 16
-    """b/a of the cost line before any measurement."""
+    """b/a of the cost line at batch 1 before any measurement (times the batch at larger ones)."""
     lines: dict[int, _Line] = field(default_factory=dict)
     calibration: float = 1.0
     """g: accepted tokens per predicted accepted token (EMA)."""
     explore_every: int = 16
-    """Every this many steps verify the full block, so the fit keeps seeing long passes."""
+    """Every this many choices verify twice the chosen length, so the fit keeps seeing longer passes."""
     steps: int = 0
     step_rates: dict[tuple[int, bool], _Rate] = field(default_factory=dict)
     """(batch bucket, speculative?) -> committed tokens per second of whole steps."""
@@ -152,9 +160,11 @@ class CostModel:
             self.calibration = 0.9 * self.calibration + 0.1 * min(accepted / predicted, 2.0)
 
     def pass_cost(self, num_seqs: int, tokens_per_seq: int) -> float:
-        line = self.lines.get(self._bucket(num_seqs))
-        predicted = line.predict(tokens_per_seq, self.prior_slope_ratio) if line else None
-        return predicted if predicted is not None else 1 + self.prior_slope_ratio * tokens_per_seq
+        bucket = self._bucket(num_seqs)
+        prior = self.prior_slope_ratio * bucket
+        line = self.lines.get(bucket)
+        predicted = line.predict(tokens_per_seq, prior) if line else None
+        return predicted if predicted is not None else 1 + prior * tokens_per_seq
 
     @staticmethod
     def expected_accepted(confidence: list[float], length: int) -> float:
@@ -165,8 +175,6 @@ class CostModel:
         self.steps += 1
         if max_length == 0 or not confidences:
             return 0
-        if self.steps % self.explore_every == 1:
-            return max_length
         num_seqs = len(confidences)
         best, best_rate = 0, -1.0
         for length in range(max_length + 1):
@@ -174,4 +182,6 @@ class CostModel:
             rate = committed / self.pass_cost(num_seqs, length + 1)
             if rate > best_rate:
                 best, best_rate = length, rate
+        if (self.steps - 1) % self.explore_every == 0:  # the first choice too: a drafter is tried at once
+            return min(max_length, max(1, 2 * best))
         return best

@@ -362,7 +362,8 @@ class SpeculativeEngine:
         self.stats.seconds_target += time.perf_counter() - start
         self.stats.num_target_passes += 1
         pass_seconds = time.perf_counter() - start
-        self.cost_model.observe_pass(len(running), max(len(b) for b in blocks) + 1, pass_seconds)
+        if not prefill:  # a prompt's pass costs the prompt, not the block
+            self.cost_model.observe_pass(len(running), max(len(b) for b in blocks) + 1, pass_seconds)
         joined = time.perf_counter()
         candidates = self._join(future)
         if future is not None:

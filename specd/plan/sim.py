@@ -26,12 +26,12 @@ It models what the services do, step by step, with costs from a profile (`specd.
   ``step_seconds + seq_seconds * rows``.
 - **Blocks.** ``L`` is the configured block, or with ``adaptive_block`` (the verifier's default)
   what the engine's own `specd.cost_model.CostModel` picks, one per verifier, fed as the engine
-  feeds it: each pass's simulated seconds against ``1 + L`` tokens per row (prefill padding
-  included, as the engine times it), each sequence's accepted length against its predicted one,
-  with the drafter's mean confidence per position from the profile (where measured; else its
-  acceptance) as each block's confidence, calibrated against the accepted lengths as the engine
-  calibrates it. It
-  verifies the full block every ``explore_every``-th step.
+  feeds it: each pass's simulated seconds against ``1 + L`` tokens per row (passes that prefill
+  a prompt left out, as the engine leaves them out), each sequence's accepted length against its
+  predicted one, with the drafter's mean confidence per position from the profile (where
+  measured; else its acceptance) as each block's confidence, calibrated against the accepted
+  lengths as the engine calibrates it. Every ``explore_every``-th choice verifies twice the
+  chosen length (the cost model's exploration).
 - **Accepted length** ``k`` per sequence per step is drawn from the profile's acceptance per
   position ``a_i = P(positions 0..i accepted)``: ``P(k >= i + 1) = a_i``, i.e. the conditional
   ``P(accept i | all before) = a_i / a_{i-1}``. The step commits ``k + 1`` tokens (fewer at the
@@ -455,7 +455,7 @@ class Simulation:
             cost = self.profile.target(rows, tokens)
             if self.serving is not None:
                 cost *= self.serving.scale(rows)
-            if self.speculative:
+            if self.speculative and not any(s.new for s in running):  # as the engine: no prefill passes
                 v.cost.observe_pass(rows, length + 1, cost)
             self.target_seconds += cost
             target = env.timeout(cost)

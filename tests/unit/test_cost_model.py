@@ -58,6 +58,32 @@ def test_a_rate_that_changes_changes_the_choice():
     assert late.count(True) <= len(late) // 8 + 1
 
 
+def _lengths(model: CostModel, num_seqs: int, confidence: list[float], seconds, steps: int) -> list[int]:
+    """``steps`` block choices for ``num_seqs`` sequences, each pass then observed at ``seconds(tokens)``."""
+    out = []
+    for _ in range(steps):
+        length = model.choose_length([confidence] * num_seqs, len(confidence))
+        model.observe_pass(num_seqs, length + 1, seconds(length + 1))
+        out.append(length)
+    return out
+
+
+def test_flat_passes_grow_the_block_to_its_cap_by_exploration():
+    """Passes that cost the same whatever their length (a GPU at low batch): the doubling
+    explorations find that out and the block reaches its full length."""
+    lengths = _lengths(CostModel(explore_every=4), 1, [0.9 ** (i + 1) for i in range(16)], lambda t: 0.01, 64)
+    assert lengths[-8:] == [16] * 8, lengths
+
+
+def test_steep_passes_explore_short_blocks_only():
+    """Passes whose cost follows their tokens (batch 16 on a CPU) and a drafter accepted half the
+    time: plain steps nearly always, and an exploration verifies a short block, never the full one."""
+    lengths = _lengths(CostModel(explore_every=4), 16, [0.5 ** (i + 1) for i in range(16)],
+                       lambda t: 0.01 + 0.02 * t, 64)
+    assert max(lengths) <= 2, lengths
+    assert lengths.count(0) >= 0.7 * len(lengths), lengths
+
+
 class _Drafter(Drafter):
     """Drafts the target's greedy continuation (``right``) or wrong tokens, after ``delay`` s."""
 
