@@ -147,6 +147,14 @@ class EngineConfig:
     model last chose plus this many tokens, not the full ``block_size`` — the drafter's pass costs
     tokens (on a CPU, in proportion), and tokens drafted past what is verified are wasted. The
     headroom lets the chosen length grow by that much per step. None: always the full block."""
+    async_target_threads: int | None = field(default=None, metadata={
+        "help": "async: the target's intra-op threads while a candidate pass runs beside it (none = unchanged)",
+        "none": 0})
+    """Async mode with an in-process drafter on a CPU: the intra-op threads of a target pass that
+    runs beside the drafter's candidate pass (the drafter's thread gets as many), so the two share
+    the cores instead of fighting over them. A step with no candidate pass beside it (a plain step:
+    the cost model turned speculation down) runs on the threads the engine was built with, all of
+    them. None: the engine never changes the thread count (a GPU, or a drafter in its own process)."""
     cuda_graphs: bool = field(default=False, metadata={
         "help": "replay decode/verification passes from CUDA graphs at fixed row buckets (full-attention targets)"})
     """Replay the target's decode and verification passes from CUDA graphs at fixed row buckets
@@ -160,6 +168,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be >= 0, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.async_target_threads is not None and self.async_target_threads < 1:
+            raise ValueError(f"async_target_threads must be >= 1 (or None), got {self.async_target_threads}")
         if self.draft_headroom is not None and self.draft_headroom < 1:
             raise ValueError(f"draft_headroom must be >= 1 (or None for full blocks), got {self.draft_headroom}")
 
@@ -290,7 +300,12 @@ class SpeculativeEngine:
         self._chosen_length = self.config.block_size  # the cost model's last choice (draft_headroom)
         self._budget = self.config.candidate_budget  # outcomes drafted ahead (async), adapted per step
         self.stats = EngineStats()
-        self._pool = ThreadPoolExecutor(max_workers=1) if self.config.mode == "async" else None
+        self._threads = torch.get_num_threads()  # a plain step's, with async_target_threads
+        self._pool = None
+        if self.config.mode == "async":
+            shared = self.config.async_target_threads
+            self._pool = ThreadPoolExecutor(max_workers=1, initializer=None if shared is None else torch.set_num_threads,
+                                            initargs=() if shared is None else (shared,))
         self._parked_drafter = None  # a drafter that failed, until its retry time
         self._drafter_retry_at = 0.0
         # The last verification pass, for the commit that follows it (and a DFlash drafter's states).
@@ -356,6 +371,7 @@ class SpeculativeEngine:
                 seq.block = None  # drafted for the context this plain step moves past
             length = 0
         blocks = [s.block.tokens[:length] if s.block is not None else [] for s in running]
+        self._share_cores(speculative)
         future = self._speculate_async(running, blocks) if speculative else None
         start = time.perf_counter()
         logits, firsts = self._verify_pass(running, blocks)
@@ -466,6 +482,17 @@ class SpeculativeEngine:
         ]
         self.stats.num_drafter_calls += 1
         return self._pool.submit(self.drafter.speculate, requests)
+
+    def _share_cores(self, speculative: bool) -> None:
+        """With ``async_target_threads``: that many threads for a pass with a candidate pass
+        beside it, all the engine's for one without (set before the candidate pass starts)."""
+        shared = self.config.async_target_threads
+        if shared is None or self._pool is None:
+            return
+        beside = speculative and self.drafter is not None and self.drafter.can_speculate
+        wanted = shared if beside else self._threads
+        if torch.get_num_threads() != wanted:
+            torch.set_num_threads(wanted)
 
     def _adapt_budget(self, waited: float, pass_seconds: float) -> None:
         """Keep the candidate pass inside the verification pass it runs beside: one outcome fewer
@@ -634,3 +661,5 @@ class SpeculativeEngine:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        if self.config.async_target_threads is not None:
+            torch.set_num_threads(self._threads)  # the caller's, as the engine found them

@@ -64,7 +64,7 @@ class DecodeSettings:
     methods: tuple[str, ...] = METHODS
     domains: tuple[str, ...] = DOMAINS
     threads: int = 2
-    """Intra-op threads for every method but d3d-async (the machine's cores)."""
+    """Intra-op threads of every method (the machine's cores; the async methods share them, `async_threads`)."""
     seeded: bool = False
     """Give every sampled request a seed (request i: seed i), so rows measure keyed sampling
     (`specd.sampling.verify_keyed`) instead of the rejection sampler unseeded traffic takes."""
@@ -77,8 +77,9 @@ class DecodeSettings:
     candidate_budget: int = 4
     """`EngineConfig.candidate_budget`: most outcomes drafted ahead per sequence (async)."""
     async_threads: int = 1
-    """Intra-op threads for d3d-async: the target pass and the drafter's candidate pass run at
-    the same time, so each gets half the cores instead of both fighting for all of them."""
+    """The async methods' `EngineConfig.async_target_threads`: the target pass and the drafter's
+    candidate pass run at the same time, so each gets this many threads instead of both fighting
+    for all the cores; a step the cost model runs plain gets all ``threads``."""
 
     @staticmethod
     def quick() -> "DecodeSettings":
@@ -168,13 +169,14 @@ def domain_prompts(settings: DecodeSettings, target_dir: Path | None = None) -> 
 
 def run_case(models: _Models, method: str, prompts: list[list[int]], *, temperature: float, batch: int,
              block: int, max_tokens: int, threads: int, seeded: bool = False, fixed_block: bool = False,
-             draft_headroom: int | None = None, candidate_budget: int = 4) -> DecodeRow:
+             draft_headroom: int | None = None, candidate_budget: int = 4, async_threads: int = 1) -> DecodeRow:
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         return _run_case(models, method, prompts, temperature=temperature, batch=batch, block=block,
                          max_tokens=max_tokens, threads=threads, seeded=seeded, fixed_block=fixed_block,
-                         draft_headroom=draft_headroom, candidate_budget=candidate_budget)
+                         draft_headroom=draft_headroom, candidate_budget=candidate_budget,
+                         async_threads=async_threads)
     finally:
         torch.set_num_threads(previous_threads)
 
@@ -205,14 +207,15 @@ def _run_peer(models: _Models, method: str, prompts: list[list[int]], *, tempera
 
 def _run_case(models: _Models, method: str, prompts: list[list[int]], *, temperature: float, batch: int,
               block: int, max_tokens: int, threads: int, seeded: bool = False, fixed_block: bool = False,
-              draft_headroom: int | None = None, candidate_budget: int = 4) -> DecodeRow:
+              draft_headroom: int | None = None, candidate_budget: int = 4, async_threads: int = 1) -> DecodeRow:
     if method in PEERS:
         return _run_peer(models, method, prompts, temperature=temperature, max_tokens=max_tokens, threads=threads)
     drafter = models.drafter(method, batch)
     mode = "async" if method in ASYNC else "sync"
     config = EngineConfig(max_num_seqs=batch, block_size=0 if method == "ar" else block, mode=mode,
                           adaptive_block=not fixed_block, draft_headroom=draft_headroom,
-                          candidate_budget=candidate_budget)
+                          candidate_budget=candidate_budget,
+                          async_target_threads=async_threads if mode == "async" else None)
     engine = SpeculativeEngine(models.target, drafter, config)
     # Unseeded by default: a sampled request without a seed is verified by the rejection sampler, as
     # most traffic is; ``seeded`` measures the keyed path (`specd.sampling.verify_keyed`:
@@ -267,11 +270,10 @@ def bench_decode(settings: DecodeSettings) -> list[DecodeRow]:
     for domain, temperature, batch, block, method in tqdm(cases, desc="bench decode", unit="case"):
         # Repeat prompts so every batch size sees at least two full batches of work.
         work = (prompts[domain] * (2 * batch // len(prompts[domain]) + 1))[: max(len(prompts[domain]), 2 * batch)]
-        threads = settings.async_threads if method in ASYNC else settings.threads
         row = run_case(models, method, work, temperature=temperature, batch=batch, block=block,
-                       max_tokens=settings.max_tokens, threads=threads, seeded=settings.seeded,
+                       max_tokens=settings.max_tokens, threads=settings.threads, seeded=settings.seeded,
                        fixed_block=settings.fixed_block, draft_headroom=settings.draft_headroom,
-                       candidate_budget=settings.candidate_budget)
+                       candidate_budget=settings.candidate_budget, async_threads=settings.async_threads)
         row.domain = domain
         rows.append(row)
     # Speedup: over specd's own plain decoding in this run (a peer's row too: < 1 means specd is faster).

@@ -529,3 +529,54 @@ def test_seeded_sampling_equals_plain_decoding_whatever_drafts(
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     if drafter == "d3d-killed":
         assert engine.drafter is None
+
+
+def test_async_target_threads_share_the_cores_only_beside_a_candidate_pass(target, drafter_model):
+    """With ``async_target_threads=1`` on an engine built at 2 threads: a target pass with a
+    candidate pass beside it runs on 1 thread, and so does the candidate pass; a plain step's pass
+    runs on all 2; closing the engine gives the caller back its 2. Output is plain greedy's."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        batch = prompts(2)
+        params = SamplingParams(max_tokens=24)
+        expected = [g.token_ids for g in autoregressive(target, batch, params)]
+        drafter = D3DDrafter(drafter_model, max_num_seqs=2)
+        beside = []  # threads the candidate passes ran on
+        speculate = drafter.speculate
+
+        def record(requests):
+            beside.append(torch.get_num_threads())
+            return speculate(requests)
+
+        drafter.speculate = record
+        engine = SpeculativeEngine(target, drafter, EngineConfig(max_num_seqs=2, block_size=4, mode="async",
+                                                                 async_target_threads=1))
+        # Speculative and plain steps in turn, whatever the timings say.
+        engine.cost_model = CostModel(explore_every=1, max_explore_every=1)
+        passes = []  # (speculative step?, threads of its target pass)
+        logits = engine._target_logits
+
+        def timed(batch_):
+            passes.append((engine._speculating, torch.get_num_threads()))
+            return logits(batch_)
+
+        engine._target_logits = timed
+        step = engine._speculates
+
+        def speculates(num_seqs):
+            engine._speculating = step(num_seqs)
+            return engine._speculating
+
+        engine._speculates = speculates
+        got = [g.token_ids for g in engine.generate(batch, params)]
+        engine.close()
+        assert got == expected
+        assert beside and set(beside) == {1}
+        assert {threads for spec, threads in passes if spec} == {1}
+        assert {threads for spec, threads in passes if not spec} == {2}
+        assert torch.get_num_threads() == 2
+        with pytest.raises(ValueError, match="async_target_threads"):
+            EngineConfig(async_target_threads=0)
+    finally:
+        torch.set_num_threads(previous)
