@@ -90,6 +90,54 @@ class _Rate:
 
 
 @dataclass(kw_only=True, slots=True)
+class _Duel:
+    """Two ways to run a step (arms ``True`` and ``False``), each scored by the committed tokens
+    per second of the whole steps that took it; see `CostModel.should_speculate`."""
+
+    rates: dict[bool, _Rate] = field(default_factory=dict)
+    decisions: int = 0
+    gap: int = 0
+    """Decisions until the losing arm is tried again (doubles while it keeps losing)."""
+    next_explore: int = 0
+    better: bool | None = None
+    """The arm that delivered more at the last decision."""
+    exploring: int = 0
+    """Decisions left in the current exploration of the losing arm."""
+    explored: bool = False
+    """Whether the last decision tried the arm that is not the better one (or not yet measured)."""
+
+    def choose(self, *, first: bool, first_steps: int, runs: int, explore_every: int, max_explore_every: int) -> bool:
+        self.decisions += 1
+        self.explored = False
+        if self.exploring:
+            self.exploring -= 1
+            self.explored = True
+            return not self.better
+        mine, other = self.rates.get(first), self.rates.get(not first)
+        if mine is None or mine.count < first_steps:
+            return first
+        if other is None:
+            self.explored = True
+            return not first
+        better = mine.value >= other.value if first else other.value >= mine.value
+        if self.better is not None and self.better != better:  # the arms swapped: watch closely again
+            self.gap, self.next_explore = explore_every, self.decisions + explore_every
+        self.better = better
+        if not self.gap:
+            self.gap, self.next_explore = explore_every, self.decisions + explore_every
+        if self.decisions < self.next_explore:
+            return better
+        self.gap = min(2 * self.gap, max_explore_every)
+        self.next_explore = self.decisions + self.gap
+        self.exploring = runs - 1
+        self.explored = True
+        return not better
+
+    def observe(self, arm: bool, tokens: int, seconds: float) -> None:
+        self.rates.setdefault(arm, _Rate()).add(tokens, seconds)
+
+
+@dataclass(kw_only=True, slots=True)
 class CostModel:
     prior_slope_ratio: float = 1 / 16
     """b/a of the cost line at batch 1 before any measurement (times the batch at larger ones)."""
@@ -99,16 +147,12 @@ class CostModel:
     explore_every: int = 16
     """Every this many choices verify twice the chosen length, so the fit keeps seeing longer passes."""
     steps: int = 0
-    step_rates: dict[tuple[int, bool], _Rate] = field(default_factory=dict)
-    """(batch bucket, speculative?) -> committed tokens per second of whole steps."""
-    decisions: dict[int, int] = field(default_factory=dict)
-    """Batch bucket -> `should_speculate` calls so far (the exploration clock)."""
     max_explore_every: int = 128
     """Longest gap between explorations of the losing arm (see `should_speculate`)."""
-    explore_gap: dict[int, int] = field(default_factory=dict)
-    """Batch bucket -> decisions until the losing arm is tried again (doubles while it keeps losing)."""
-    next_explore: dict[int, int] = field(default_factory=dict)
-    last_better: dict[int, bool] = field(default_factory=dict)
+    speculate_duels: dict[int, _Duel] = field(default_factory=dict)
+    """Batch bucket -> speculative against plain steps."""
+    overlap_duels: dict[int, _Duel] = field(default_factory=dict)
+    """Batch bucket -> speculative steps with the candidate pass beside verification, or without."""
 
     @staticmethod
     def _bucket(num_seqs: int) -> int:
@@ -118,42 +162,52 @@ class CostModel:
         self.lines.setdefault(self._bucket(num_seqs), _Line()).add(tokens_per_seq, seconds)
 
     def observe_step(self, num_seqs: int, speculative: bool, tokens: int, seconds: float) -> None:
-        """A whole step (drafting, pass, verification) committed ``tokens`` in ``seconds``."""
-        key = (self._bucket(num_seqs), speculative)
-        self.step_rates.setdefault(key, _Rate()).add(tokens, seconds)
+        """A whole step (drafting, pass, verification) committed ``tokens`` in ``seconds`` (the
+        engine reports a step that ran as the one before it did: see `should_speculate`)."""
+        self.speculate_duels.setdefault(self._bucket(num_seqs), _Duel()).observe(speculative, tokens, seconds)
 
     def step_rate(self, num_seqs: int, speculative: bool) -> float | None:
         """Measured committed tokens per second of such steps at this batch, None before any."""
-        rate = self.step_rates.get((self._bucket(num_seqs), speculative))
+        duel = self.speculate_duels.get(self._bucket(num_seqs))
+        rate = duel.rates.get(speculative) if duel is not None else None
         return rate.value if rate is not None else None
 
     def should_speculate(self, num_seqs: int) -> bool:
         """Whether this step drafts at all (see the module docstring): the arm whose whole steps
         delivered more tokens per second at this batch; arms not yet measured are tried
-        (two speculative steps first, then one plain step). The losing arm is tried again after
+        (two speculative steps first, then plain ones). The losing arm is tried again after
         ``explore_every`` decisions, then after twice as many each time it is still the loser
         (up to ``max_explore_every``), and again after ``explore_every`` once the arms swap: an
-        exploration costs a whole losing step (at high batch, a blocking draft for every
-        sequence), so a loser that keeps losing is looked at less and less."""
-        bucket = self._bucket(num_seqs)
-        count = self.decisions.get(bucket, 0) + 1
-        self.decisions[bucket] = count
-        speculative, plain = self.step_rates.get((bucket, True)), self.step_rates.get((bucket, False))
-        if speculative is None or speculative.count < 2:
-            return True  # (in async mode a first speculative step pays a blocking draft)
-        if plain is None:
-            return False
-        better = speculative.value >= plain.value
-        if self.last_better.get(bucket, better) != better:  # the arms swapped: watch closely again
-            self.explore_gap[bucket] = self.explore_every
-            self.next_explore[bucket] = count + self.explore_every
-        self.last_better[bucket] = better
-        gap = self.explore_gap.setdefault(bucket, self.explore_every)
-        if count < self.next_explore.setdefault(bucket, count + gap):
-            return better
-        self.explore_gap[bucket] = min(2 * gap, self.max_explore_every)
-        self.next_explore[bucket] = count + self.explore_gap[bucket]
-        return not better
+        exploration costs whole losing steps (at high batch, a blocking draft for every
+        sequence), so a loser that keeps losing is looked at less and less. An exploration lasts
+        two steps and the engine reports steady-state steps only (`observe_step` after a step of
+        the same kind): the first speculative step after plain ones drafts blocking, catching up
+        on the context, where the next one in async mode has its candidates ready."""
+        duel = self.speculate_duels.setdefault(self._bucket(num_seqs), _Duel())
+        return duel.choose(first=True, first_steps=2, runs=2, explore_every=self.explore_every,
+                           max_explore_every=self.max_explore_every)
+
+    def should_overlap(self, num_seqs: int) -> bool:
+        """Async mode, a speculative step: whether the drafter drafts the next block's candidates
+        *during* this verification (the target on its share of the cores, `EngineConfig.async_target_threads`)
+        or after it, as sync mode does (the target on all of them; the next step drafts, blocking).
+        Decided as `should_speculate` decides, from `observe_overlap`'s steady-state steps; an
+        exploration lasts two steps, since a step's cost depends on how the step before it ran
+        (with candidates drafted during it, or a blocking draft to come)."""
+        duel = self.overlap_duels.setdefault(self._bucket(num_seqs), _Duel())
+        return duel.choose(first=True, first_steps=2, runs=2, explore_every=self.explore_every,
+                           max_explore_every=self.max_explore_every)
+
+    def exploring_overlap(self, num_seqs: int) -> bool:
+        """Whether the last `should_overlap` decision at this batch tried the losing way: such a
+        step measures that way, not what speculating is worth (`observe_step` skips it)."""
+        duel = self.overlap_duels.get(self._bucket(num_seqs))
+        return duel is not None and duel.explored
+
+    def observe_overlap(self, num_seqs: int, overlapped: bool, tokens: int, seconds: float) -> None:
+        """A speculative step that ran as the one before it (overlapped or not) committed
+        ``tokens`` in ``seconds``: one in steady state, what `should_overlap` compares."""
+        self.overlap_duels.setdefault(self._bucket(num_seqs), _Duel()).observe(overlapped, tokens, seconds)
 
     def observe_acceptance(self, predicted: float, accepted: int) -> None:
         if predicted > 0.05:

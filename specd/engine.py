@@ -301,6 +301,9 @@ class SpeculativeEngine:
         self._budget = self.config.candidate_budget  # outcomes drafted ahead (async), adapted per step
         self.stats = EngineStats()
         self._threads = torch.get_num_threads()  # a plain step's, with async_target_threads
+        self._last_speculative: bool | None = None  # how the last step ran
+        self._last_overlap: bool | None = None  # (None: plain)
+        self._overlap_explored = False  # this step tried the losing way to speculate
         self._pool = None
         if self.config.mode == "async":
             shared = self.config.async_target_threads
@@ -371,8 +374,10 @@ class SpeculativeEngine:
                 seq.block = None  # drafted for the context this plain step moves past
             length = 0
         blocks = [s.block.tokens[:length] if s.block is not None else [] for s in running]
-        self._share_cores(speculative)
-        future = self._speculate_async(running, blocks) if speculative else None
+        self._overlap_explored = False
+        overlap = speculative and self._overlaps(len(running))
+        self._share_cores(overlap)
+        future = self._speculate_async(running, blocks) if overlap else None
         start = time.perf_counter()
         logits, firsts = self._verify_pass(running, blocks)
         self.stats.seconds_target += time.perf_counter() - start
@@ -419,8 +424,15 @@ class SpeculativeEngine:
         for seq in running:
             seq.cached = len(seq.context) - 1 if not seq.done else seq.cached
         if not prefill:
-            self.cost_model.observe_step(len(running), speculative, self.stats.num_emitted_tokens - emitted_before,
-                                         time.perf_counter() - began)
+            # Steady-state steps only: a step's cost depends on how the one before it ran (the
+            # first speculative step after plain ones drafts blocking, catching up on the context).
+            tokens, seconds = self.stats.num_emitted_tokens - emitted_before, time.perf_counter() - began
+            # (Nor a step that tried the losing way to speculate: it measures that way.)
+            if speculative == self._last_speculative and not self._overlap_explored:
+                self.cost_model.observe_step(len(running), speculative, tokens, seconds)
+            if speculative and self._last_overlap == overlap:
+                self.cost_model.observe_overlap(len(running), overlap, tokens, seconds)
+        self._last_speculative, self._last_overlap = speculative, (overlap if speculative else None)
 
     def _speculates(self, num_seqs: int) -> bool:
         """Whether this step drafts: with a drafter, always, unless the cost model, shown what
@@ -428,6 +440,18 @@ class SpeculativeEngine:
         if self.drafter is None or self.config.block_size == 0:
             return False
         return not self.config.adaptive_block or self.cost_model.should_speculate(num_seqs)
+
+    def _overlaps(self, num_seqs: int) -> bool:
+        """A speculative step in async mode: whether the drafter drafts the next block's
+        candidates during this verification, or (as sync mode does) after it, when the cost
+        model measured that to deliver more (`CostModel.should_overlap`)."""
+        if self._pool is None or self.drafter is None or not self.drafter.can_speculate:
+            return False
+        if not self.config.adaptive_block:
+            return True
+        overlap = self.cost_model.should_overlap(num_seqs)
+        self._overlap_explored = self.cost_model.exploring_overlap(num_seqs)
+        return overlap
 
     def _drafter_reads_target(self) -> bool:
         """Whether the drafter (if any is in use) gets the target's hidden states after each pass."""
@@ -483,14 +507,13 @@ class SpeculativeEngine:
         self.stats.num_drafter_calls += 1
         return self._pool.submit(self.drafter.speculate, requests)
 
-    def _share_cores(self, speculative: bool) -> None:
+    def _share_cores(self, overlap: bool) -> None:
         """With ``async_target_threads``: that many threads for a pass with a candidate pass
         beside it, all the engine's for one without (set before the candidate pass starts)."""
         shared = self.config.async_target_threads
         if shared is None or self._pool is None:
             return
-        beside = speculative and self.drafter is not None and self.drafter.can_speculate
-        wanted = shared if beside else self._threads
+        wanted = shared if overlap else self._threads
         if torch.get_num_threads() != wanted:
             torch.set_num_threads(wanted)
 

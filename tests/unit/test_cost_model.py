@@ -33,12 +33,14 @@ def test_should_speculate_takes_the_faster_arm_and_explores_the_other_less_and_l
     rates = {faster: 30.0, not faster: 10.0}
     decisions = _decisions(model, 4, rates, 640)
     tail = decisions[4:]  # past the first measurements of both arms
-    explored = [i for i, arm in enumerate(tail) if arm != faster]
+    # Explorations: runs of two decisions for the losing arm (the first of them a switch).
+    explored = [i for i, arm in enumerate(tail) if arm != faster and (i == 0 or tail[i - 1] == faster)]
+    assert all(tail[i + 1] != faster for i in explored if i + 1 < len(tail))
     assert len(explored) >= 5  # the losing arm is still measured ...
     gaps = [b - a for a, b in zip(explored, explored[1:])]
     assert gaps == sorted(gaps) and gaps[0] <= 32 and gaps[-1] == 128, gaps  # ... ever more rarely, up to the cap
     # Each batch bucket decides on its own figures.
-    assert _decisions(model, 16, {True: 5.0, False: 50.0}, 64)[16:].count(True) <= 4
+    assert _decisions(model, 16, {True: 5.0, False: 50.0}, 64)[16:].count(True) <= 8
 
 
 def test_a_loser_that_starts_winning_is_watched_closely_again():
@@ -125,3 +127,53 @@ def test_engine_turns_a_drafter_that_does_not_pay_off_and_keeps_one_that_does(ri
         assert drafted > 0.7 and engine.stats.tau > 2.0
     else:
         assert drafted < 0.25
+
+
+class _Speculating(_Drafter):
+    """Drafts the target's greedy continuation after ``draft_delay`` s, and during verification
+    the block after each block's full acceptance after ``speculate_delay`` s."""
+
+    can_speculate = True
+
+    def __init__(self, references: list[list[int]], *, draft_delay: float, speculate_delay: float):
+        super().__init__(references, right=True, delay=draft_delay)
+        self.speculate_delay, self.calls = speculate_delay, 0
+
+    def speculate(self, requests):
+        self.calls += 1
+        time.sleep(self.speculate_delay)
+        out = []
+        for r in requests:
+            after = len(r.context) + len(r.block)
+            reference = self.references[r.seq_id]
+            tokens = reference[after + 1 : after + 1 + r.block_size]
+            out.append({(len(r.block), reference[after]): DraftBlock(tokens=tokens, probs=None,
+                                                                   confidence=[0.9] * len(tokens))})
+        return out
+
+
+@pytest.mark.parametrize("slow", ["candidates", "drafts"])
+def test_async_engine_overlaps_drafting_only_where_that_pays(slow):
+    """An async engine whose candidate pass outlasts verification by far (40 ms against a
+    millisecond pass) drafts after verification instead, nearly always (exploring now and then);
+    one whose blocking drafts are the slow ones keeps drafting during verification. Both give
+    plain greedy output."""
+    torch.manual_seed(3)
+    target = Qwen3ForCausalLM(FLAVOURS["debug"]).eval()
+    generator = torch.Generator().manual_seed(5)
+    batch = [torch.randint(7, VOCAB, (12,), generator=generator).tolist() for _ in range(2)]
+    params = SamplingParams(max_tokens=192)
+    expected = autoregressive(target, batch, params)
+    references = [p + e.token_ids + [0] * 16 for p, e in zip(batch, expected)]
+    delays = {"draft_delay": 0.0, "speculate_delay": 0.04} if slow == "candidates" else \
+        {"draft_delay": 0.04, "speculate_delay": 0.0}
+    drafter = _Speculating(references, **delays)
+    engine = SpeculativeEngine(target, drafter, EngineConfig(max_num_seqs=2, block_size=2, mode="async"))
+    got = engine.generate(batch, params)
+    engine.close()
+    assert [g.token_ids for g in got] == [e.token_ids for e in expected]
+    overlapped = drafter.calls / engine.stats.num_steps
+    if slow == "candidates":
+        assert overlapped < 0.25, overlapped
+    else:
+        assert overlapped > 0.75, overlapped

@@ -533,8 +533,9 @@ def test_seeded_sampling_equals_plain_decoding_whatever_drafts(
 
 def test_async_target_threads_share_the_cores_only_beside_a_candidate_pass(target, drafter_model):
     """With ``async_target_threads=1`` on an engine built at 2 threads: a target pass with a
-    candidate pass beside it runs on 1 thread, and so does the candidate pass; a plain step's pass
-    runs on all 2; closing the engine gives the caller back its 2. Output is plain greedy's."""
+    candidate pass beside it runs on 1 thread, and so does the candidate pass; a pass without one
+    (a plain step, or a speculative step drafting after verification) runs on all 2; closing the
+    engine gives the caller back its 2. Output is plain greedy's."""
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -552,31 +553,31 @@ def test_async_target_threads_share_the_cores_only_beside_a_candidate_pass(targe
         drafter.speculate = record
         engine = SpeculativeEngine(target, drafter, EngineConfig(max_num_seqs=2, block_size=4, mode="async",
                                                                  async_target_threads=1))
-        # Speculative and plain steps in turn, whatever the timings say.
+        # Every kind of step in turn, whatever the timings say.
         engine.cost_model = CostModel(explore_every=1, max_explore_every=1)
-        passes = []  # (speculative step?, threads of its target pass)
-        logits = engine._target_logits
+        passes = []  # (candidate pass beside?, threads of the target pass)
+        overlaps, logits = engine._overlaps, engine._target_logits
+
+        def overlapping(num_seqs):
+            engine._beside = overlaps(num_seqs)
+            return engine._beside
 
         def timed(batch_):
-            passes.append((engine._speculating, torch.get_num_threads()))
+            passes.append((engine._beside, torch.get_num_threads()))
+            engine._beside = False
             return logits(batch_)
 
-        engine._target_logits = timed
-        step = engine._speculates
-
-        def speculates(num_seqs):
-            engine._speculating = step(num_seqs)
-            return engine._speculating
-
-        engine._speculates = speculates
+        engine._beside = False
+        engine._overlaps, engine._target_logits = overlapping, timed
         got = [g.token_ids for g in engine.generate(batch, params)]
         engine.close()
         assert got == expected
         assert beside and set(beside) == {1}
-        assert {threads for spec, threads in passes if spec} == {1}
-        assert {threads for spec, threads in passes if not spec} == {2}
+        assert {threads for overlap, threads in passes if overlap} == {1}
+        assert {threads for overlap, threads in passes if not overlap} == {2}
         assert torch.get_num_threads() == 2
         with pytest.raises(ValueError, match="async_target_threads"):
             EngineConfig(async_target_threads=0)
     finally:
         torch.set_num_threads(previous)
+
