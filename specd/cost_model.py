@@ -25,8 +25,16 @@ taking the target's core. Whether to speculate at all is decided before that, by
 steps delivered (`should_speculate`): committed tokens per second of a step (drafting, target
 pass, verification and all) measured for speculative and for plain steps of the same batch
 bucket, the better arm taken, the other tried again after ``explore_every`` decisions, then
-after gaps that double while it keeps losing (an exploration is a whole losing step). Nothing there is a constant of a machine: on a CPU at batch 16 a plain
-step wins and speculation turns itself off; at batch 1, or where passes are flat, it stays on.
+after gaps that double while it keeps losing (an exploration is two whole losing steps, and only
+steady-state steps are compared). Nothing there is a constant of a machine: on a CPU at batch 16
+a plain step wins and speculation turns itself off; at batch 1, or where passes are flat, it
+stays on.
+
+In async mode a speculative step asks one more question the same way (`should_overlap`): draft
+the next block's candidates during verification, the two passes sharing the cores, or after it
+as sync mode does, the target on all of them. On a GPU, or a CPU whose one thread runs a pass
+nearly as fast as two, overlapping wins; on a CPU where the target's pass takes twice as long on
+half the cores, drafting after wins, and an async engine is then no slower than a sync one.
 """
 
 from __future__ import annotations
