@@ -86,6 +86,19 @@ def test_steep_passes_explore_short_blocks_only():
     assert lengths.count(0) >= 0.7 * len(lengths), lengths
 
 
+def _greedy_case(num_seqs: int, max_tokens: int):
+    """A debug target, random prompts, their plain greedy outputs, and each prompt's reference
+    (prompt + output + padding) for scripted drafters."""
+    torch.manual_seed(3)
+    target = Qwen3ForCausalLM(FLAVOURS["debug"]).eval()
+    generator = torch.Generator().manual_seed(5)
+    batch = [torch.randint(7, VOCAB, (12,), generator=generator).tolist() for _ in range(num_seqs)]
+    params = SamplingParams(max_tokens=max_tokens)
+    expected = autoregressive(target, batch, params)
+    references = [p + e.token_ids + [0] * 16 for p, e in zip(batch, expected)]
+    return target, batch, params, expected, references
+
+
 class _Drafter(Drafter):
     """Drafts the target's greedy continuation (``right``) or wrong tokens, after ``delay`` s."""
 
@@ -110,13 +123,7 @@ def test_engine_turns_a_drafter_that_does_not_pay_off_and_keeps_one_that_does(ri
     """A slow drafter that is always wrong costs more than it saves: the engine decodes plain
     nearly always (exploring it now and then); one that drafts the target's own tokens stays on.
     Both give plain greedy output."""
-    torch.manual_seed(3)
-    target = Qwen3ForCausalLM(FLAVOURS["debug"]).eval()
-    generator = torch.Generator().manual_seed(5)
-    batch = [torch.randint(7, VOCAB, (12,), generator=generator).tolist() for _ in range(4)]
-    params = SamplingParams(max_tokens=96)
-    expected = autoregressive(target, batch, params)
-    references = [p + e.token_ids + [0] * 16 for p, e in zip(batch, expected)]
+    target, batch, params, expected, references = _greedy_case(num_seqs=4, max_tokens=96)
     # A debug pass takes about a millisecond: 30 ms per draft makes a wrong drafter a clear loss.
     drafter = _Drafter(references, right=right, delay=0.03 if not right else 0.0)
     engine = SpeculativeEngine(target, drafter, EngineConfig(max_num_seqs=4, block_size=4, mode="sync"))
@@ -158,13 +165,7 @@ def test_async_engine_overlaps_drafting_only_where_that_pays(slow):
     millisecond pass) drafts after verification instead, nearly always (exploring now and then);
     one whose blocking drafts are the slow ones keeps drafting during verification. Both give
     plain greedy output."""
-    torch.manual_seed(3)
-    target = Qwen3ForCausalLM(FLAVOURS["debug"]).eval()
-    generator = torch.Generator().manual_seed(5)
-    batch = [torch.randint(7, VOCAB, (12,), generator=generator).tolist() for _ in range(2)]
-    params = SamplingParams(max_tokens=192)
-    expected = autoregressive(target, batch, params)
-    references = [p + e.token_ids + [0] * 16 for p, e in zip(batch, expected)]
+    target, batch, params, expected, references = _greedy_case(num_seqs=2, max_tokens=192)
     delays = {"draft_delay": 0.0, "speculate_delay": 0.04} if slow == "candidates" else \
         {"draft_delay": 0.04, "speculate_delay": 0.0}
     drafter = _Speculating(references, **delays)
