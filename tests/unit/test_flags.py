@@ -86,6 +86,7 @@ VERIFIER_FLAGS = {
     "max-num-seqs", "max-waiting", "max-request-bytes", "max-model-len", "block-size", "mode", "candidate-budget",
     "adaptive-block", "draft-headroom", "drafter-timeout", "drafter-retry-seconds", "redis-url", "trace-stream",
     "trace-maxlen", "threads", "device", "attention-backend", "cuda-graphs", "tensor-parallel",
+    "async-target-threads",
 }
 
 
