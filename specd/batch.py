@@ -49,6 +49,22 @@ class ForwardBatch:
     def max_new(self) -> int:
         return self.input_ids.shape[1]
 
+    def real_index(self) -> Tensor | None:
+        """Flat indices (into ``[num_seqs * max_new]``) of the batch's real tokens, for a pass that
+        computes its token-wise products on those alone (`specd.models.qwen3`); None where
+        there is no padding to skip, or the pass must keep its shapes static (a CUDA graph).
+
+        Rows are right-padded to the longest: a verification where a few sequences carry a block
+        and the rest one token, or a ragged prefill, would otherwise pay for every padding token
+        in every projection. Host-side (``num_new`` is read), so CPU passes only: on a GPU the
+        padded products cost little next to a device sync."""
+        if self.scratch_slot >= 0 or self.input_ids.device.type != "cpu":
+            return None
+        real = torch.arange(self.max_new) < self.num_new[:, None]  # [num_seqs, max_new]
+        if bool(real.all()):
+            return None
+        return real.view(-1).nonzero().squeeze(1)
+
     @staticmethod
     def from_trees(
         trees: Sequence[TokenTree],

@@ -379,7 +379,7 @@ class SpeculativeEngine:
         self._share_cores(overlap)
         future = self._speculate_async(running, blocks) if overlap else None
         start = time.perf_counter()
-        logits, firsts = self._verify_pass(running, blocks)
+        logits = self._verify_pass(running, blocks)
         self.stats.seconds_target += time.perf_counter() - start
         self.stats.num_target_passes += 1
         pass_seconds = time.perf_counter() - start
@@ -389,7 +389,7 @@ class SpeculativeEngine:
         candidates = self._join(future)
         if future is not None:
             self._adapt_budget(time.perf_counter() - joined, pass_seconds)
-        results = self._verify_all(running, blocks, logits, firsts)
+        results = self._verify_all(running, blocks, logits)
         paths = [None] * self.config.max_num_seqs
         for i, (seq, block, result) in enumerate(zip(running, blocks, results)):
             if isinstance(result, Exception):
@@ -539,10 +539,11 @@ class SpeculativeEngine:
             self.stats.seconds_drafter_blocking += time.perf_counter() - start
 
     @torch.no_grad()
-    def _verify_pass(self, running: list[RunningSequence], blocks: list[list[int]]) -> tuple[Tensor, list[int]]:
-        """The target's logits ``[rows, max_new, vocab]`` over every sequence's uncached tail plus
-        its block, and per sequence the column of its last committed token (its ``len(block) + 1``
-        rows of logits start there)."""
+    def _verify_pass(self, running: list[RunningSequence], blocks: list[list[int]]) -> Tensor:
+        """The target's pass over every sequence's uncached tail plus its block; returns the logits
+        that verification reads, ``[len(running), max(len(block)) + 1, vocab]``: row ``i`` is
+        ``running[i]``, column ``j`` the target's distribution after its last committed token and
+        ``block[:j]`` (columns past ``len(block)`` are padding, never read)."""
         # Rows past the highest busy one stay out of the pass when the cache allows it.
         rows = len(self.cache.lengths)
         if self.cache.supports_row_prefix:
@@ -553,33 +554,41 @@ class SpeculativeEngine:
             tails[seq.row] = seq.context[seq.cached :] + block
         batch = ForwardBatch.from_chains(tails, lengths, self.device)
         self._last_batch = batch
+        # Where each sequence's verified columns start in the pass: its last committed token.
+        firsts = torch.tensor([len(s.context) - s.cached - 1 for s in running], dtype=torch.long)
+        columns = firsts[:, None] + torch.arange(max(len(b) for b in blocks) + 1)
+        where = (torch.tensor([s.row for s in running], dtype=torch.long)[:, None],
+                 columns.clamp(max=batch.max_new - 1))
         with torch.inference_mode():  # no autograd bookkeeping per op: ~4% of a SmolLM2 decode step
-            logits = self._target_logits(batch)
-        return logits, [len(s.context) - s.cached - 1 for s in running]
+            return self._target_logits(batch, where)
 
-    def _target_logits(self, batch: ForwardBatch) -> Tensor:
-        """`_verify_pass`'s target pass over ``batch``: logits ``[rows, max_new, vocab]``."""
+    def _target_logits(self, batch: ForwardBatch, where: tuple[Tensor, Tensor]) -> Tensor:
+        """`_verify_pass`'s target pass over ``batch``: the logits at ``(rows, columns) = where``.
+        The LM head runs over those positions only, not over every new token: a prefill step
+        reads one column per prompt, and a SmolLM2 head over a 150-token prompt at batch 16 would
+        be 2400 rows of 49152 logits (470 MB) for the 16 that verification reads."""
+        rows, columns = (index.to(self.device) for index in where)
         if self._drafter_reads_target():
             self._last_hidden = self.target.hidden_states(batch, self.cache)  # [rows, max_new, hidden]
-            return self.target.lm_head(self._last_hidden)
+            return self.target.lm_head(self._last_hidden[rows, columns])
         if self._graphs is not None:
-            return self._graphs(batch)  # replayed where the shape fits
-        return self.target(batch, self.cache)
+            return self._graphs(batch)[rows, columns]  # replayed where the shape fits
+        return self.target.lm_head(self.target.hidden_states(batch, self.cache)[rows, columns])
 
-    def _verify_all(self, running: list[RunningSequence], blocks: list[list[int]], logits: Tensor,
-                    firsts: list[int]) -> list[VerifyResult | Exception]:
+    def _verify_all(self, running: list[RunningSequence], blocks: list[list[int]],
+                    logits: Tensor) -> list[VerifyResult | Exception]:
         """Every sequence's verification of its block against its ``len(block) + 1`` rows of the
-        target's logits (from column ``firsts[i]`` of its cache row), the rows batched by kind:
-        plain greedy rows by argmax (one over the whole pass when every row is one), unseeded
-        sampled rows through the batched rejection sampler (`verify_batch`), seeded rows keyed.
-        A row whose sampling fails gets its exception, and the other rows go on."""
+        target's logits (row ``i`` of `_verify_pass`'s), the rows batched by kind: plain greedy
+        rows by argmax (one over the whole pass when every row is one), unseeded sampled rows
+        through the batched rejection sampler (`verify_batch`), seeded rows keyed. A row whose
+        sampling fails gets its exception, and the other rows go on."""
         results: list[VerifyResult | Exception | None] = [None] * len(running)
-        views = [logits[s.row, first : first + len(b) + 1] for s, b, first in zip(running, blocks, firsts)]
+        views = [logits[i, : len(b) + 1] for i, b in enumerate(blocks)]
         plain_greedy = [s.params.greedy and not s.params.processes_logits for s in running]
         if all(plain_greedy):
-            best = logits.argmax(-1).tolist()  # [rows, max_new]: one reduction for the batch
-            for i, (seq, block, first) in enumerate(zip(running, blocks, firsts)):
-                results[i] = verify_greedy_tokens(block, best[seq.row][first : first + len(block) + 1])
+            best = logits.argmax(-1).tolist()  # [sequences, max block + 1]: one reduction for the batch
+            for i, block in enumerate(blocks):
+                results[i] = verify_greedy_tokens(block, best[i][: len(block) + 1])
             return results
         sampled: list[int] = []
         sampled_probs: list[Tensor] = []

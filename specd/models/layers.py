@@ -270,20 +270,35 @@ class GQAttention(nn.Module):
 
     def forward(
         self,
-        x: Tensor,  # [num_seqs, max_new, hidden]
+        x: Tensor,  # [num_seqs, max_new, hidden], or [num_real, hidden] with ``real``
         rotary: tuple[Tensor, Tensor],  # cos, sin [num_seqs, max_new, head_dim]
         batch: ForwardBatch,
         cache: KVCache | None,
         attention: AttentionMetadata,  # the pass's mask and backend (built once per pass)
+        real: Tensor | None = None,
     ) -> Tensor:
-        num_seqs, max_new, _ = x.shape
-        split = lambda t, h: t.view(num_seqs, max_new, h, self.head_dim).transpose(1, 2)  # noqa: E731
+        """With ``real`` (`ForwardBatch.real_index`), ``x`` holds the real tokens only: the
+        projections run on those, and only the attention itself sees the padded grid."""
+        num_seqs, max_new = batch.input_ids.shape if real is not None else x.shape[:2]
         q, k, v = grouped_linear(x, (self.q_proj, self.k_proj, self.v_proj))
+        if real is not None:
+            q, k, v = (unpack(t, real, num_seqs, max_new) for t in (q, k, v))
+        split = lambda t, h: t.view(num_seqs, max_new, h, self.head_dim).transpose(1, 2)  # noqa: E731
         q = self.q_norm(split(q, self.num_heads))
         k = self.k_norm(split(k, self.num_kv_heads))
         v = split(v, self.num_kv_heads)
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if cache is not None:
             k, v = cache.update(self.layer_index, k, v, batch)
-        out = attention.attend(q, k, v)  # [num_seqs, num_heads, max_new, head_dim]
-        return self.o_proj(out.transpose(1, 2).reshape(num_seqs, max_new, -1))
+        out = attention.attend(q, k, v).transpose(1, 2)  # [num_seqs, max_new, num_heads, head_dim]
+        if real is not None:
+            return self.o_proj(out.reshape(num_seqs * max_new, -1)[real])
+        return self.o_proj(out.reshape(num_seqs, max_new, -1))
+
+
+def unpack(x: Tensor, real: Tensor, num_seqs: int, max_new: int) -> Tensor:
+    """``[num_real, width]`` rows back onto the padded grid ``[num_seqs, max_new, width]`` (zeros
+    at padding, whose outputs nobody reads)."""
+    grid = x.new_zeros(num_seqs * max_new, x.shape[-1])
+    grid[real] = x
+    return grid.view(num_seqs, max_new, -1)

@@ -13,12 +13,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from specd.batch import ForwardBatch
 from specd.cache import KVCache
 from specd.models.attention import AttentionMetadata, get_backend
-from specd.models.layers import GQAttention, Linear, RMSNorm, SwiGLU, rotary_tables
+from specd.models.layers import GQAttention, Linear, RMSNorm, SwiGLU, rotary_tables, unpack
 
 
 @dataclass(kw_only=True, slots=True)
@@ -158,8 +159,10 @@ class Qwen3DecoderLayer(nn.Module):
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
 
     def forward(self, x: Tensor, rotary, batch: ForwardBatch, cache: KVCache | None,
-                attention: AttentionMetadata) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, batch, cache, attention)
+                attention: AttentionMetadata, real: Tensor | None = None) -> Tensor:
+        """``x``: ``[num_seqs, max_new, hidden]``, or the real tokens ``[num_real, hidden]`` with
+        ``real`` (`ForwardBatch.real_index`: everything but attention runs on those alone)."""
+        x = x + self.self_attn(self.input_layernorm(x), rotary, batch, cache, attention, real)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -199,15 +202,21 @@ class Qwen3ForCausalLM(nn.Module):
         )
 
     def hidden_states(self, batch: ForwardBatch, cache: KVCache | None = None) -> Tensor:
-        """Final-norm hidden states ``[num_seqs, max_new, hidden]`` for every new token."""
+        """Final-norm hidden states ``[num_seqs, max_new, hidden]`` for every new token (zeros at
+        padding). An inference pass with padding computes its token-wise products on the real
+        tokens only (`ForwardBatch.real_index`): a verification in which a few sequences carry a
+        block costs their tokens, not the longest block times the batch."""
         if cache is not None:
             cache.prepare(batch)
-        x = self.model.embed_tokens(batch.input_ids)
+        real = None if torch.is_grad_enabled() else batch.real_index()
+        ids = batch.input_ids if real is None else batch.input_ids.reshape(-1)[real]
+        x = self.model.embed_tokens(ids)
         rotary = rotary_tables(batch.positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         attention = AttentionMetadata.from_batch(batch, self.attention_backend)
         for layer in self.model.layers:
-            x = layer(x, rotary, batch, cache, attention)
-        return self.model.norm(x)
+            x = layer(x, rotary, batch, cache, attention, real)
+        x = self.model.norm(x)
+        return x if real is None else unpack(x, real, batch.num_seqs, batch.max_new)
 
     def forward(self, batch: ForwardBatch, cache: KVCache | None = None) -> Tensor:
         """Logits ``[num_seqs, max_new, vocab]`` for every new token of the batch."""

@@ -85,6 +85,28 @@ def test_greedy_ngram_equals_plain_greedy(target, block_size):
     assert [g.token_ids for g in engine.generate(batch, params)] == expected
 
 
+def test_the_lm_head_runs_only_where_verification_reads(target):
+    """A prefill step reads one column per prompt and a verification ``len(block) + 1`` per
+    sequence: the head's rows are those, not every new token of the padded pass."""
+    batch = prompts(3)
+    params = SamplingParams(max_tokens=6)
+    expected = [g.token_ids for g in autoregressive(target, batch, params)]
+    rows = []
+    hook = target.lm_head.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[:-1]))
+    try:
+        engine = SpeculativeEngine(target, NgramDrafter(vocab_size=VOCAB),
+                                   EngineConfig(max_num_seqs=3, block_size=3, mode="sync", adaptive_block=False))
+        lengths = []
+        verify = engine._verify_pass
+        engine._verify_pass = lambda running, blocks: (lengths.append(max(map(len, blocks))), verify(running, blocks))[1]
+        got = [g.token_ids for g in engine.generate(batch, params)]
+    finally:
+        hook.remove()
+    assert got == expected
+    assert max(map(len, batch)) > 1 and rows[0] == (3, lengths[0] + 1)  # the prefill: 3 prompts, one column each
+    assert rows == [(3, length + 1) for length in lengths]
+
+
 def test_stop_tokens_end_like_plain_decoding(target, drafter_model):
     batch = prompts(4)
     plain = autoregressive(target, batch, SamplingParams(max_tokens=30))
@@ -562,10 +584,10 @@ def test_async_target_threads_share_the_cores_only_beside_a_candidate_pass(targe
             engine._beside = overlaps(num_seqs)
             return engine._beside
 
-        def timed(batch_):
+        def timed(batch_, where):
             passes.append((engine._beside, torch.get_num_threads()))
             engine._beside = False
-            return logits(batch_)
+            return logits(batch_, where)
 
         engine._beside = False
         engine._overlaps, engine._target_logits = overlapping, timed

@@ -70,3 +70,28 @@ def test_bf16_close_to_fp32(tmp_path):
 def test_greedy_generation_matches_transformers_generate(tmp_path):
     reference, model = hf_checkpoint(tmp_path, head_dim=16, num_attention_heads=4, num_key_value_heads=2)
     assert_greedy_matches_generate(reference, model, [[11, 22, 33, 44], [5, 6]])
+
+
+def test_padded_pass_computes_its_real_tokens_only(tmp_path):
+    """A verification where some sequences carry a block and others one token (or none: an idle
+    row) runs its projections on the real tokens alone, with the logits of the padded pass."""
+    _, model = hf_checkpoint(tmp_path, **CONFIGS["untied-gqa2"])
+    prompts = [[5, 17, 3, 99], [1, 2], [8], [200, 100, 50, 25, 12]]
+    cache = model.new_cache(len(prompts))
+    prefill = ForwardBatch.causal(prompts, cache.lengths.tolist())
+    with torch.no_grad():
+        model(prefill, cache)
+    cache.commit(prefill, [list(range(len(p))) for p in prompts])
+    chains = [[7], [9, 11, 13, 15], [], [21, 22]]
+    batch = ForwardBatch.from_chains(chains, cache.lengths.tolist())
+    assert batch.real_index().tolist() == [0, 4, 5, 6, 7, 12, 13]
+    rows_seen = []
+    hook = model.model.layers[0].mlp.register_forward_hook(lambda m, args, out: rows_seen.append(args[0].shape))
+    with torch.no_grad():
+        packed = model(batch, cache)
+    with torch.enable_grad():  # autograd passes keep the padded products: the reference
+        padded = model(batch, cache).detach()
+    hook.remove()
+    assert rows_seen[0] == (7, 48) and rows_seen[1] == (4, 4, 48)
+    for b, chain in enumerate(chains):
+        torch.testing.assert_close(packed[b, : len(chain)], padded[b, : len(chain)], rtol=1e-5, atol=1e-5)
