@@ -1,8 +1,9 @@
 """How many drafted tokens to verify this step: expected tokens per second, measured, not guessed.
 
 A target pass over ``t`` tokens per sequence at batch ``n`` costs ``c_n(t) ~ a_n + b_n * t``
-seconds; the line is fitted online from the passes the engine times (exponentially weighted
-least squares; prefill passes are left out, their cost is the prompt's), starting from a prior
+seconds; the line is fitted online from the drafted passes the engine times (exponentially
+weighted least squares; prefill passes are left out, their cost is the prompt's), and plain
+passes (``t = 1``) are priced by their own measurements apart, starting from a prior
 slope of ``b/a = n/16``: a pass's cost follows its *total* tokens once they are past what the
 weights' reads hide (a small model on a CPU at batch 1 shows about 1/16; at batch 16 every
 drafted token per sequence adds 16 to the pass; a GPU is flatter, and the fit learns that
@@ -11,9 +12,12 @@ within a few steps).
 Verifying ``L`` drafted tokens of a sequence whose drafter believes position ``i`` and all before
 it are accepted with probability ``a_i`` (`DraftBlock.confidence`) is expected to commit
 ``E(L) = 1 + g * sum_{i<=L} a_i`` tokens, where ``g``
-calibrates the drafter's confidence against what the target actually accepted. One ``L`` is
-chosen for the whole batch (padding makes the longest block the cost), maximising
-``sum_s E_s(L) / c_n(L + 1)``; ``L = 0`` is plain decoding, chosen when speculation does not pay.
+calibrates the drafter's confidence against what the target actually accepted. Where the
+target pads its passes (a GPU, a hybrid model), one ``L`` is chosen for the whole batch (the
+longest block is the cost), maximising ``sum_s E_s(L) / c_n(L + 1)``; ``L = 0`` is plain decoding,
+chosen when speculation does not pay. Where it computes real tokens only (Qwen3 and Llama on a
+CPU), the cost is the mean tokens per sequence and each sequence gets its own ``L_s``
+(`CostModel.choose_lengths`).
 So that the fit keeps seeing lengths beyond its choice, the first choice and every
 ``explore_every``-th after it verify twice the chosen length (at least 1, at most the block)
 instead: where passes turn out flat a long block is found in a few doublings, and an exploration
@@ -150,6 +154,12 @@ class CostModel:
     prior_slope_ratio: float = 1 / 16
     """b/a of the cost line at batch 1 before any measurement (times the batch at larger ones)."""
     lines: dict[int, _Line] = field(default_factory=dict)
+    """Batch bucket -> the cost line of passes that verified drafted tokens."""
+    plain_passes: dict[int, _Line] = field(default_factory=dict)
+    """Batch bucket -> passes of one token per sequence, apart: a pass with any drafted token in
+    it may cost a step more than the line through plain passes says (on a CPU at batch 16, one
+    drafted token took a pass from 16 to 17 rows and 98 to 128 ms: another product shape, and
+    attention over a padded grid), so plain passes price plain steps and drafted ones the rest."""
     calibration: float = 1.0
     """g: accepted tokens per predicted accepted token (EMA)."""
     explore_every: int = 16
@@ -166,8 +176,9 @@ class CostModel:
     def _bucket(num_seqs: int) -> int:
         return 1 << max(0, math.ceil(math.log2(max(num_seqs, 1))))
 
-    def observe_pass(self, num_seqs: int, tokens_per_seq: int, seconds: float) -> None:
-        self.lines.setdefault(self._bucket(num_seqs), _Line()).add(tokens_per_seq, seconds)
+    def observe_pass(self, num_seqs: int, tokens_per_seq: float, seconds: float) -> None:
+        passes = self.plain_passes if tokens_per_seq <= 1 else self.lines
+        passes.setdefault(self._bucket(num_seqs), _Line()).add(tokens_per_seq, seconds)
 
     def observe_step(self, num_seqs: int, speculative: bool, tokens: int, seconds: float) -> None:
         """A whole step (drafting, pass, verification) committed ``tokens`` in ``seconds`` (the
@@ -221,19 +232,64 @@ class CostModel:
         if predicted > 0.05:
             self.calibration = 0.9 * self.calibration + 0.1 * min(accepted / predicted, 2.0)
 
-    def pass_cost(self, num_seqs: int, tokens_per_seq: int) -> float:
+    def pass_cost(self, num_seqs: int, tokens_per_seq: float) -> float:
+        """Predicted seconds of a pass (relative units before any measurement): a plain pass
+        from plain passes, a drafted one from the line through drafted passes (never below a
+        plain one), each from the prior slope through what was measured while it lacks data."""
         bucket = self._bucket(num_seqs)
         prior = self.prior_slope_ratio * bucket
-        line = self.lines.get(bucket)
-        predicted = line.predict(tokens_per_seq, prior) if line else None
-        return predicted if predicted is not None else 1 + prior * tokens_per_seq
+        plain, drafted = self.plain_passes.get(bucket), self.lines.get(bucket)
+        plain_cost = plain.predict(1, prior) if plain else None
+        if tokens_per_seq <= 1 and plain_cost is not None:
+            return plain_cost
+        predicted = drafted.predict(tokens_per_seq, prior) if drafted else None
+        if predicted is not None:
+            return max(predicted, plain_cost) if plain_cost is not None else predicted
+        if plain_cost is not None:
+            return plain_cost * (1 + prior * tokens_per_seq) / (1 + prior)
+        return 1 + prior * tokens_per_seq
 
     @staticmethod
     def expected_accepted(confidence: list[float], length: int) -> float:
         return float(sum(confidence[:length]))
 
+    def choose_lengths(self, confidences: list[list[float]], max_length: int, *, packed: bool) -> list[int]:
+        """Per sequence, how many of its drafted tokens this step verifies (at most ``max_length``).
+
+        ``packed``: the target computes a pass on its real tokens only (`ForwardBatch.real_index`),
+        so a pass costs its mean tokens per sequence, ``c_n(1 + sum(L_s) / n)``, and each sequence
+        gets its own length: drafted positions are taken most confident first (a sequence's
+        positions in order, since its confidences do not increase), and the prefix with the
+        highest ``sum_s E_s(L_s) / c_n`` is kept. At batch 16 on a CPU that verifies the few
+        sequences whose drafts are likely right, and not the rest. Exploration as for one length:
+        twice the chosen tokens (at least one per sequence). Otherwise (padded passes) one length
+        for all (`choose_length`)."""
+        num_seqs = len(confidences)
+        if not packed:
+            return [self.choose_length(confidences, max_length)] * num_seqs
+        self.steps += 1
+        if max_length == 0 or not confidences:
+            return [0] * num_seqs
+        # (confidence, position, sequence), best first; equal confidences by position, so a
+        # sequence's positions come in order and any prefix is a set of per-sequence prefixes.
+        order = sorted(((c, i, s) for s, conf in enumerate(confidences) for i, c in enumerate(conf[:max_length])),
+                       key=lambda item: (-item[0], item[1]))
+        committed = float(num_seqs)
+        best, best_rate = 0, committed / self.pass_cost(num_seqs, 1)
+        for taken, (c, _, _) in enumerate(order, start=1):
+            committed += self.calibration * c
+            rate = committed / self.pass_cost(num_seqs, 1 + taken / num_seqs)
+            if rate > best_rate:
+                best, best_rate = taken, rate
+        if (self.steps - 1) % self.explore_every == 0:
+            best = min(len(order), max(num_seqs, 2 * best))
+        lengths = [0] * num_seqs
+        for _, _, s in order[:best]:
+            lengths[s] += 1
+        return lengths
+
     def choose_length(self, confidences: list[list[float]], max_length: int) -> int:
-        """The verified block length for this step (see the module docstring)."""
+        """The verified block length for this step, one for every sequence (see the module docstring)."""
         self.steps += 1
         if max_length == 0 or not confidences:
             return 0

@@ -367,13 +367,13 @@ class SpeculativeEngine:
         speculative = self._speculates(len(running))
         if speculative:
             self._ensure_blocks(running)
-            length = self._verify_length(running)
-            self._chosen_length = length
+            lengths = self._verify_lengths(running)
+            self._chosen_length = max(lengths)
         else:
             for seq in running:
                 seq.block = None  # drafted for the context this plain step moves past
-            length = 0
-        blocks = [s.block.tokens[:length] if s.block is not None else [] for s in running]
+            lengths = [0] * len(running)
+        blocks = [s.block.tokens[:n] if s.block is not None else [] for s, n in zip(running, lengths)]
         self._overlap_explored = False
         overlap = speculative and self._overlaps(len(running))
         self._share_cores(overlap)
@@ -384,7 +384,7 @@ class SpeculativeEngine:
         self.stats.num_target_passes += 1
         pass_seconds = time.perf_counter() - start
         if not prefill:  # a prompt's pass costs the prompt, not the block
-            self.cost_model.observe_pass(len(running), max(len(b) for b in blocks) + 1, pass_seconds)
+            self.cost_model.observe_pass(len(running), self._tokens_per_sequence(blocks), pass_seconds)
         joined = time.perf_counter()
         candidates = self._join(future)
         if future is not None:
@@ -486,12 +486,25 @@ class SpeculativeEngine:
             return self.config.block_size
         return min(self.config.block_size, self._chosen_length + headroom)
 
-    def _verify_length(self, running: list[RunningSequence]) -> int:
-        longest = max((len(s.block.tokens) for s in running if s.block is not None), default=0)
+    def _verify_lengths(self, running: list[RunningSequence]) -> list[int]:
+        """Per sequence, the drafted tokens this step verifies: all of them, or the cost model's choice."""
+        drafted = [len(s.block.tokens) if s.block is not None else 0 for s in running]
         if not self.config.adaptive_block:
-            return longest
+            return drafted
         confidences = [s.block.confidence if s.block is not None else [] for s in running]
-        return self.cost_model.choose_length(confidences, longest)
+        return self.cost_model.choose_lengths(confidences, max(drafted), packed=self._packed)
+
+    @property
+    def _packed(self) -> bool:
+        """Whether the target's passes cost their real tokens (no padding: `ForwardBatch.real_index`)."""
+        return self.device.type == "cpu" and getattr(self.target, "packs_padding", False)
+
+    def _tokens_per_sequence(self, blocks: list[list[int]]) -> float:
+        """What a pass over these blocks costs, in tokens per sequence (`CostModel`'s line): the
+        mean where the target skips padding, the longest where it computes it."""
+        if self._packed:
+            return 1 + sum(map(len, blocks)) / len(blocks)
+        return 1 + max(map(len, blocks))
 
     def _speculate_async(self, running: list[RunningSequence], blocks: list[list[int]]):
         if self._pool is None or self.drafter is None or not self.drafter.can_speculate:

@@ -100,6 +100,9 @@ class AttentionMetadata:
     """[num_seqs] int32, only when the mask is "causal chunks appended to the cache": query ``j``
     of sequence ``b`` sees exactly slots ``[0, causal_key_lens[b] - max_new + j]`` (and only
     when the backend asked for it, see `AttentionBackend.uses_key_lens`)."""
+    split: tuple[int, Tensor] | None = None
+    """``(width, long_rows)``: attend over the first ``width`` new tokens of every sequence, then
+    over the rest of the rows in ``long_rows`` only (see `attention_split`)."""
 
     @staticmethod
     def from_batch(batch: ForwardBatch, backend: AttentionBackend) -> AttentionMetadata:
@@ -108,7 +111,8 @@ class AttentionMetadata:
         # A static (graph-captured) pass may not sync with the host: it takes the masked path.
         wants = backend.uses_key_lens(batch.mask.device) and batch.scratch_slot < 0
         key_lens = causal_key_lens(batch) if wants else None
-        return AttentionMetadata(backend=backend, mask=batch.mask, causal_key_lens=key_lens)
+        split = None if key_lens is not None else attention_split(batch)
+        return AttentionMetadata(backend=backend, mask=batch.mask, causal_key_lens=key_lens, split=split)
 
     def with_mask(self, mask: Tensor) -> AttentionMetadata:
         """This step with another mask ``[num_seqs or 1, max_new, num_keys]`` (the sparse target's
@@ -117,7 +121,39 @@ class AttentionMetadata:
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """``[num_seqs, num_heads, max_new, head_dim]`` through this pass's backend."""
-        return self.backend.attend(q, k, v, self)
+        if self.split is None:
+            return self.backend.attend(q, k, v, self)
+        width, rows = self.split
+        out = q.new_zeros(*q.shape[:3], v.shape[-1])
+        if width:  # (0: the short rows are idle ones, with no query at all)
+            out[:, :, :width] = self.backend.attend(
+                q[:, :, :width], k, v, AttentionMetadata(backend=self.backend, mask=self.mask[:, :width]))
+        out[rows, :, width:] = self.backend.attend(
+            q[rows, :, width:], k[rows], v[rows], AttentionMetadata(backend=self.backend, mask=self.mask[rows, width:]))
+        return out
+
+
+def attention_split(batch: ForwardBatch) -> tuple[int, Tensor] | None:
+    """Where a CPU inference pass mixes long rows with short ones (a prompt prefilled beside
+    decoding sequences, a block verified beside one-token rows), attention over the padded grid
+    computes every row at the longest row's width: one 150-token prompt beside 15 decoding rows
+    is 2400 queries for 165 real ones. Split at the width that minimises the queries computed,
+    ``num_seqs * width + len(long_rows) * (max_new - width)``; exact, since each query attends
+    on its own. None where no split saves half the queries (or on a GPU, or in a graph)."""
+    if batch.scratch_slot >= 0 or batch.mask.device.type != "cpu" or batch.mask.shape[0] != batch.num_seqs:
+        return None
+    if torch.is_grad_enabled():
+        return None
+    sizes = batch.num_new.tolist()
+    whole = len(sizes) * batch.max_new
+    best, width = whole, batch.max_new
+    for candidate in set(sizes):
+        cost = len(sizes) * candidate + sum(1 for n in sizes if n > candidate) * (batch.max_new - candidate)
+        if cost < best:
+            best, width = cost, candidate
+    if 2 * best > whole:
+        return None
+    return width, torch.tensor([b for b, n in enumerate(sizes) if n > width], dtype=torch.long)
 
 
 def causal_key_lens(batch: ForwardBatch) -> Tensor | None:

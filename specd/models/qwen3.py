@@ -176,6 +176,9 @@ class Qwen3Model(nn.Module):
 
 class Qwen3ForCausalLM(nn.Module):
     config_class = Qwen3Config
+    packs_padding = True
+    """A CPU inference pass computes its real tokens only (`hidden_states`): the engine's cost
+    model prices a verification by its mean, not its longest, block (`CostModel.choose_lengths`)."""
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__()

@@ -86,6 +86,40 @@ def test_steep_passes_explore_short_blocks_only():
     assert lengths.count(0) >= 0.7 * len(lengths), lengths
 
 
+def _packed_lengths(model: CostModel, confidences: list[list[float]], seconds, steps: int) -> list[list[int]]:
+    """``steps`` per-sequence choices over packed passes, each observed at ``seconds(mean tokens)``."""
+    out = []
+    for _ in range(steps):
+        lengths = model.choose_lengths(confidences, max(map(len, confidences)), packed=True)
+        mean = 1 + sum(lengths) / len(lengths)
+        model.observe_pass(len(lengths), mean, seconds(mean))
+        out.append(lengths)
+    return out
+
+
+def test_packed_passes_verify_the_confident_sequences_only():
+    """Batch 16, passes that cost their tokens: four sequences whose drafts are nearly sure, twelve
+    whose drafts are rarely right. The confident four verify blocks; the rest decode plain."""
+    sure = [0.95 ** (i + 1) for i in range(8)]
+    unsure = [0.1 ** (i + 1) for i in range(8)]
+    confidences = [sure] * 4 + [unsure] * 12
+    choices = _packed_lengths(CostModel(explore_every=8), confidences, lambda t: 0.01 + 0.05 * t, 64)
+    steady = [c for i, c in enumerate(choices[16:], start=16) if i % 8]  # not the explorations
+    assert all(min(c[:4]) >= 2 and max(c[4:]) == 0 for c in steady), steady[-1]
+    # The one length a padded pass must share is worth less here: plain steps.
+    padded = CostModel(explore_every=8)
+    for _ in range(64):
+        length = padded.choose_length(confidences, 8)
+        padded.observe_pass(16, length + 1, 0.01 + 0.05 * (length + 1))
+    assert padded.choose_length(confidences, 8) <= 1
+
+
+def test_packed_flat_passes_verify_everything():
+    confidences = [[0.5 ** (i + 1) for i in range(8)]] * 16
+    choices = _packed_lengths(CostModel(explore_every=4), confidences, lambda t: 0.05, 64)
+    assert choices[-1] == [8] * 16, choices[-1]
+
+
 def _greedy_case(num_seqs: int, max_tokens: int):
     """A debug target, random prompts, their plain greedy outputs, and each prompt's reference
     (prompt + output + padding) for scripted drafters."""

@@ -9,6 +9,7 @@ import transformers
 from hf_reference import assert_greedy_matches_generate
 
 from specd.batch import ForwardBatch
+from specd.models.attention import AttentionMetadata
 from specd.models.loading import load_model
 
 CONFIGS = {
@@ -72,9 +73,15 @@ def test_greedy_generation_matches_transformers_generate(tmp_path):
     assert_greedy_matches_generate(reference, model, [[11, 22, 33, 44], [5, 6]])
 
 
-def test_padded_pass_computes_its_real_tokens_only(tmp_path):
+@pytest.mark.parametrize("chains, real, split", [
+    ([[7], [9, 11, 13, 15], [], [21, 22]], [0, 4, 5, 6, 7, 12, 13], None),
+    # A prompt prefilled beside decoding rows: attention at width 1, then the long row alone.
+    ([[7], list(range(30, 42)), [4], [9]], [0] + list(range(12, 24)) + [24, 36], (1, [1])),
+])
+def test_padded_pass_computes_its_real_tokens_only(tmp_path, chains, real, split):
     """A verification where some sequences carry a block and others one token (or none: an idle
-    row) runs its projections on the real tokens alone, with the logits of the padded pass."""
+    row) runs its projections on the real tokens alone, and its attention split where the padded
+    grid is mostly padding, with the logits of the padded pass."""
     _, model = hf_checkpoint(tmp_path, **CONFIGS["untied-gqa2"])
     prompts = [[5, 17, 3, 99], [1, 2], [8], [200, 100, 50, 25, 12]]
     cache = model.new_cache(len(prompts))
@@ -82,9 +89,11 @@ def test_padded_pass_computes_its_real_tokens_only(tmp_path):
     with torch.no_grad():
         model(prefill, cache)
     cache.commit(prefill, [list(range(len(p))) for p in prompts])
-    chains = [[7], [9, 11, 13, 15], [], [21, 22]]
     batch = ForwardBatch.from_chains(chains, cache.lengths.tolist())
-    assert batch.real_index().tolist() == [0, 4, 5, 6, 7, 12, 13]
+    assert batch.real_index().tolist() == real
+    with torch.no_grad():
+        found = AttentionMetadata.from_batch(batch, model.attention_backend).split
+    assert (found[0], found[1].tolist()) == split if split else found is None
     rows_seen = []
     hook = model.model.layers[0].mlp.register_forward_hook(lambda m, args, out: rows_seen.append(args[0].shape))
     with torch.no_grad():
@@ -92,6 +101,6 @@ def test_padded_pass_computes_its_real_tokens_only(tmp_path):
     with torch.enable_grad():  # autograd passes keep the padded products: the reference
         padded = model(batch, cache).detach()
     hook.remove()
-    assert rows_seen[0] == (7, 48) and rows_seen[1] == (4, 4, 48)
+    assert rows_seen[0] == (len(real), 48) and rows_seen[1] == (4, max(map(len, chains)), 48)
     for b, chain in enumerate(chains):
         torch.testing.assert_close(packed[b, : len(chain)], padded[b, : len(chain)], rtol=1e-5, atol=1e-5)
