@@ -507,8 +507,8 @@ class SpeculativeEngine:
         return 1 + max(map(len, blocks))
 
     def _speculate_async(self, running: list[RunningSequence], blocks: list[list[int]]):
-        if self._pool is None or self.drafter is None or not self.drafter.can_speculate:
-            return None
+        """The drafter's candidate pass for the next blocks, on the pool's thread (called where
+        `_overlaps` said yes: there is a pool and a drafter that speculates)."""
         requests = [
             SpeculateRequest(
                 # The context itself, not a copy: nothing appends to it before `_join` returns.
