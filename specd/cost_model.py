@@ -157,9 +157,8 @@ class CostModel:
     """Batch bucket -> the cost line of passes that verified drafted tokens."""
     plain_passes: dict[int, _Line] = field(default_factory=dict)
     """Batch bucket -> passes of one token per sequence, apart: a pass with any drafted token in
-    it may cost a step more than the line through plain passes says (on a CPU at batch 16, one
-    drafted token took a pass from 16 to 17 rows and 98 to 128 ms: another product shape, and
-    attention over a padded grid), so plain passes price plain steps and drafted ones the rest."""
+    it may cost a step more than the line through plain passes says (another product shape, a
+    second attention call), so plain passes price plain steps and drafted ones the rest."""
     calibration: float = 1.0
     """g: accepted tokens per predicted accepted token (EMA)."""
     explore_every: int = 16

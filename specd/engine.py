@@ -291,6 +291,8 @@ class SpeculativeEngine:
         if drafter is not None:
             check_block_size(self.config.block_size, drafter.max_block)
         self.device = next(target.parameters()).device
+        # Whether the target's passes cost their real tokens, not their padded grid (`ForwardBatch.real_index`).
+        self._packed = self.device.type == "cpu" and getattr(target, "packs_padding", False)
         self.cache = target.new_cache(self.config.max_num_seqs)
         self._graphs = None
         if self.config.cuda_graphs:
@@ -493,11 +495,6 @@ class SpeculativeEngine:
             return drafted
         confidences = [s.block.confidence if s.block is not None else [] for s in running]
         return self.cost_model.choose_lengths(confidences, max(drafted), packed=self._packed)
-
-    @property
-    def _packed(self) -> bool:
-        """Whether the target's passes cost their real tokens (no padding: `ForwardBatch.real_index`)."""
-        return self.device.type == "cpu" and getattr(self.target, "packs_padding", False)
 
     def _tokens_per_sequence(self, blocks: list[list[int]]) -> float:
         """What a pass over these blocks costs, in tokens per sequence (`CostModel`'s line): the

@@ -145,6 +145,8 @@ def attention_split(batch: ForwardBatch) -> tuple[int, Tensor] | None:
     if torch.is_grad_enabled():
         return None
     sizes = batch.num_new.tolist()
+    if min(sizes) == batch.max_new:  # no padding (a decode step): nothing to split
+        return None
     whole = len(sizes) * batch.max_new
     best, width = whole, batch.max_new
     for candidate in set(sizes):
