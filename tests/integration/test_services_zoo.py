@@ -59,6 +59,13 @@ def plain(target, prompt, max_tokens) -> list[int]:
     return autoregressive(target, [prompt], params)[0].token_ids
 
 
+def serving_version(http: str) -> str:
+    """The step prefix of the drafter version the verifier saw last ("" before any answer)."""
+    prefix = "specd:drafter_version_info{version="
+    seen = [name[len(prefix):-1] for name, value in metrics(http).items() if name.startswith(prefix) and value == 1.0]
+    return max(seen, default="")[:8]
+
+
 def test_async_drafting_leaves_the_critical_path(paths, target, prompts):
     """With D3D drafting during verification, most steps find their next block ready (hits) and
     the verifier waits on the drafter far less often than it verifies."""
@@ -112,8 +119,11 @@ def test_online_loop_publishes_switches_and_gates(paths, target, prompts, tmp_pa
             assert time.monotonic() < deadline, "the trainer published no version in time"
             request(i)
             i += 1
-        live = json.loads(store.get("specd:drafter:live"))["version"]
-        while metrics(stack.verifiers[0].http).get(f"specd:drafter_version_info{{version={live}}}") != 1.0:
+        # The trainer keeps publishing (at lr 0 every candidate passes the gate), so by the time the
+        # drafter swaps, a later version than the first may be live: any version at or after it counts.
+        # Version names start with the zero-padded step ("v0000004-..."), so they order as strings.
+        first = json.loads(store.get("specd:drafter:live"))["version"]
+        while serving_version(stack.verifiers[0].http) < first[:8]:
             assert time.monotonic() < deadline, "the verifier never saw the drafters answer with the new version"
             request(i)
             i += 1
@@ -128,6 +138,7 @@ def test_online_loop_publishes_switches_and_gates(paths, target, prompts, tmp_pa
         decision = trainer.Offer(trainer_pb2.OfferRequest(directory=str(tmp_path / "worse")), timeout=300)
         live_now = json.loads(store.get("specd:drafter:live"))["version"]
         assert not decision.published and decision.candidate_tau < decision.live_tau, decision
-        assert decision.version == live_now
+        # The refusal names the live version; the trainer may publish its own later ones meanwhile.
+        assert decision.version and live_now[:8] >= decision.version[:8]
         request(i)  # still serving, still exact
         channel.close()
