@@ -11,8 +11,11 @@ within a few steps).
 
 Verifying ``L`` drafted tokens of a sequence whose drafter believes position ``i`` and all before
 it are accepted with probability ``a_i`` (`DraftBlock.confidence`) is expected to commit
-``E(L) = 1 + g * sum_{i<=L} a_i`` tokens, where ``g``
-calibrates the drafter's confidence against what the target actually accepted. Where the
+``E(L) = 1 + sum_{i<=L} g(a_i)`` tokens, where ``g`` maps a confidence to how often the target
+accepted positions drafted with it (`Calibration`: per bin of confidence, learnt from every
+verified block, kept non-increasing along a block). A drafter's confidence is rarely a
+probability: prompt lookup's Laplace estimate says 0.44 for the second token of a match seen
+once, where the target accepts it far more often, and a scale alone cannot fix a shape. Where the
 target pads its passes (a GPU, a hybrid model), one ``L`` is chosen for the whole batch (the
 longest block is the cost), maximising ``sum_s E_s(L) / c_n(L + 1)``; ``L = 0`` is plain decoding,
 chosen when speculation does not pay. Where it computes real tokens only (Qwen3 and Llama on a
@@ -102,6 +105,50 @@ class _Rate:
 
 
 @dataclass(kw_only=True, slots=True)
+class Calibration:
+    """g: the drafter's confidence -> the measured rate at which the target accepts a position
+    drafted with that confidence (the position and every one before it, as ``confidence`` means).
+
+    Confidences in [0, 1] fall in ``bins`` equal bins; each keeps exponentially weighted counts
+    of verified positions and accepted ones, starting from ``prior`` pseudo-positions accepted at
+    the bin's middle value (so an unmeasured drafter is taken at its word). Only positions that
+    were verified are counted, so a bin the cost model stops verifying is revisited by its
+    explorations (twice the chosen length every ``explore_every`` choices)."""
+
+    bins: int = 20
+    prior: float = 2.0
+    decay: float = 0.98
+    """Per observation of a bin: about the last 50 positions of each bin count."""
+    accepted: list[float] = field(default_factory=list)
+    seen: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.seen:
+            self.seen = [self.prior] * self.bins
+            self.accepted = [self.prior * (b + 0.5) / self.bins for b in range(self.bins)]
+
+    def _bin(self, confidence: float) -> int:
+        return min(self.bins - 1, max(0, int(confidence * self.bins)))
+
+    def rates(self, confidence: list[float]) -> list[float]:
+        """Calibrated acceptance of each position (non-increasing: a position is accepted only
+        with every one before it)."""
+        out, running = [], 1.0
+        for c in confidence:
+            b = self._bin(c)
+            running = min(running, self.accepted[b] / self.seen[b])
+            out.append(running)
+        return out
+
+    def observe(self, confidence: list[float], accepted: int) -> None:
+        """A verified block: positions ``< accepted`` were accepted, the rest of ``confidence`` not."""
+        for i, c in enumerate(confidence):
+            b = self._bin(c)
+            self.seen[b] = self.decay * self.seen[b] + 1
+            self.accepted[b] = self.decay * self.accepted[b] + (1.0 if i < accepted else 0.0)
+
+
+@dataclass(kw_only=True, slots=True)
 class _Duel:
     """Two ways to run a step (arms ``True`` and ``False``), each scored by the committed tokens
     per second of the whole steps that took it; see `CostModel.should_speculate`."""
@@ -159,8 +206,8 @@ class CostModel:
     """Batch bucket -> passes of one token per sequence, apart: a pass with any drafted token in
     it may cost a step more than the line through plain passes says (another product shape, a
     second attention call), so plain passes price plain steps and drafted ones the rest."""
-    calibration: float = 1.0
-    """g: accepted tokens per predicted accepted token (EMA)."""
+    calibration: Calibration = field(default_factory=Calibration)
+    """g: the drafter's confidence -> the target's measured acceptance."""
     explore_every: int = 16
     """Every this many choices verify twice the chosen length, so the fit keeps seeing longer passes."""
     steps: int = 0
@@ -227,9 +274,10 @@ class CostModel:
         ``tokens`` in ``seconds``: one in steady state, what `should_overlap` compares."""
         self.overlap_duels.setdefault(self._bucket(num_seqs), _Duel()).observe(overlapped, tokens, seconds)
 
-    def observe_acceptance(self, predicted: float, accepted: int) -> None:
-        if predicted > 0.05:
-            self.calibration = 0.9 * self.calibration + 0.1 * min(accepted / predicted, 2.0)
+    def observe_acceptance(self, confidence: list[float], accepted: int) -> None:
+        """A verified block: the drafter's confidence for each verified position, and how many
+        of them the target accepted."""
+        self.calibration.observe(confidence, accepted)
 
     def pass_cost(self, num_seqs: int, tokens_per_seq: float) -> float:
         """Predicted seconds of a pass (relative units before any measurement): a plain pass
@@ -248,9 +296,9 @@ class CostModel:
             return plain_cost * (1 + prior * tokens_per_seq) / (1 + prior)
         return 1 + prior * tokens_per_seq
 
-    @staticmethod
-    def expected_accepted(confidence: list[float], length: int) -> float:
-        return float(sum(confidence[:length]))
+    def expected_accepted(self, confidence: list[float], length: int) -> float:
+        """Drafted tokens the target is expected to accept of the first ``length`` (calibrated)."""
+        return float(sum(self.calibration.rates(confidence[:length])))
 
     def choose_lengths(self, confidences: list[list[float]], max_length: int, *, packed: bool) -> list[int]:
         """Per sequence, how many of its drafted tokens this step verifies (at most ``max_length``).
@@ -271,12 +319,13 @@ class CostModel:
             return [0] * num_seqs
         # (confidence, position, sequence), best first; equal confidences by position, so a
         # sequence's positions come in order and any prefix is a set of per-sequence prefixes.
-        order = sorted(((c, i, s) for s, conf in enumerate(confidences) for i, c in enumerate(conf[:max_length])),
+        rates = [self.calibration.rates(conf[:max_length]) for conf in confidences]
+        order = sorted(((c, i, s) for s, conf in enumerate(rates) for i, c in enumerate(conf)),
                        key=lambda item: (-item[0], item[1]))
         committed = float(num_seqs)
         best, best_rate = 0, committed / self.pass_cost(num_seqs, 1)
         for taken, (c, _, _) in enumerate(order, start=1):
-            committed += self.calibration * c
+            committed += c
             rate = committed / self.pass_cost(num_seqs, 1 + taken / num_seqs)
             if rate > best_rate:
                 best, best_rate = taken, rate
@@ -293,9 +342,10 @@ class CostModel:
         if max_length == 0 or not confidences:
             return 0
         num_seqs = len(confidences)
+        rates = [self.calibration.rates(c[:max_length]) for c in confidences]
         best, best_rate = 0, -1.0
         for length in range(max_length + 1):
-            committed = sum(1 + self.calibration * self.expected_accepted(c, length) for c in confidences)
+            committed = sum(1 + sum(r[:length]) for r in rates)
             rate = committed / self.pass_cost(num_seqs, length + 1)
             if rate > best_rate:
                 best, best_rate = length, rate

@@ -412,8 +412,7 @@ class SpeculativeEngine:
                 if self.stats.block_samples is not None:
                     self.stats.block_samples.append(
                         (list(seq.block.confidence[: len(block)]), result.num_accepted, seq.seq_id))
-                predicted = CostModel.expected_accepted(seq.block.confidence, len(block))
-                self.cost_model.observe_acceptance(predicted, result.num_accepted)
+                self.cost_model.observe_acceptance(list(seq.block.confidence[: len(block)]), result.num_accepted)
             outcome = (result.num_accepted, result.next_token)
             seq.block = None
             if candidates is not None:

@@ -27,8 +27,8 @@ It models what the services do, step by step, with costs from a profile (`specd.
 - **Blocks.** ``L`` is the configured block, or with ``adaptive_block`` (the verifier's default)
   what the engine's own `specd.cost_model.CostModel` picks, one per verifier, fed as the engine
   feeds it: each pass's simulated seconds against ``1 + L`` tokens per row (passes that prefill
-  a prompt left out, as the engine leaves them out), each sequence's accepted length against its
-  predicted one, with the drafter's mean confidence per position from the profile (where
+  a prompt left out, as the engine leaves them out), each sequence's accepted length against the
+  confidence of its verified positions, with the drafter's mean confidence per position from the profile (where
   measured; else its acceptance) as each block's confidence, calibrated against the accepted
   lengths as the engine calibrates it. Every ``explore_every``-th choice verifies twice the
   chosen length (the cost model's exploration).
@@ -359,7 +359,6 @@ class Simulation:
         self.verifiers = [_Verifier(i, config.drafters, config.explore_every) for i in range(config.verifiers)]
         # What the engine's cost model is shown: the drafter's own confidence, where measured.
         self.confidence = profile.confidence(block) if block else []
-        self.predicted = np.concatenate([[0.0], np.cumsum(self.confidence)])  # confidence's expected accepted for L
         # Verified blocks as measured (confidence per position, accepted length), drawn per
         # sequence per step: the engine verifies long where the drafter is confident, and that is
         # where it is accepted. Without samples (or past their length): mean confidence, and
@@ -369,8 +368,7 @@ class Simulation:
         samples = profile.block_samples
         if block and samples is not None and block <= len(samples.confidence[0]):
             confidence = np.asarray(samples.confidence, dtype=np.float64)[:, :block]
-            self.samples = (confidence, np.minimum(np.asarray(samples.accepted), block),
-                            np.concatenate([np.zeros((len(confidence), 1)), np.cumsum(confidence, axis=1)], axis=1))
+            self.samples = (confidence, np.minimum(np.asarray(samples.accepted), block))
             prompts = np.asarray(samples.prompt, dtype=np.int64)
             for prompt in np.unique(prompts):
                 self.by_prompt[int(prompt)] = np.flatnonzero(prompts == prompt)
@@ -527,11 +525,11 @@ class Simulation:
         self.accepted += int(accepted.sum())
         if length and self.config.adaptive_block:
             if self.samples is not None:
-                predicted = self.samples[2][v.draws, length].tolist()
+                shown = self.samples[0][v.draws, :length].tolist()
             else:
-                predicted = [float(self.predicted[length])] * num
-            for guess, k in zip(predicted, accepted.tolist()):
-                v.cost.observe_acceptance(guess, k)
+                shown = [list(self.confidence[:length])] * num
+            for confidence, k in zip(shown, accepted.tolist()):
+                v.cost.observe_acceptance(confidence, k)
         keep = []
         for seq, k, hit in zip(running, accepted.tolist(), hits.tolist()):
             request = seq.request

@@ -120,6 +120,48 @@ def test_packed_flat_passes_verify_everything():
     assert choices[-1] == [8] * 16, choices[-1]
 
 
+def _calibrated_lengths(confidence: list[float], truth: list[float], seconds, steps: int) -> tuple[CostModel, list[int]]:
+    """``steps`` choices at batch 1 where the target accepts position ``i`` (and all before it) with
+    probability ``truth[i]``, whatever the drafter's ``confidence`` says; each block then observed."""
+    model, generator, lengths = CostModel(explore_every=8), torch.Generator().manual_seed(0), []
+    for _ in range(steps):
+        length = model.choose_length([confidence], len(confidence))
+        model.observe_pass(1, length + 1, seconds(length + 1))
+        u = float(torch.rand((), generator=generator))
+        model.observe_acceptance(confidence[:length], sum(u < p for p in truth[:length]))
+        lengths.append(length)
+    return model, lengths
+
+
+def test_a_drafter_that_understates_its_acceptance_is_verified_further():
+    """Prompt lookup's confidence for a match seen once (2/3 per position, multiplied) against a
+    target that accepts 95% of each next position: the calibration learns the real rates, and the
+    block grows from what the raw confidence would choose to what the acceptance is worth."""
+    confidence = [(2 / 3) ** (i + 1) for i in range(8)]
+    truth = [0.95 ** (i + 1) for i in range(8)]
+    seconds = lambda t: 0.05 + 0.02 * t  # noqa: E731  (a pass of 2 tokens ~1.3x a decode, 5 tokens ~2.1x)
+    raw = CostModel()
+    for t in range(1, 10):
+        raw.observe_pass(1, t, seconds(t))
+    raw.choose_length([confidence], 8)  # the first choice explores (twice the length)
+    assert raw.choose_length([confidence], 8) <= 2  # taken at its word, the drafter is verified short
+    model, lengths = _calibrated_lengths(confidence, truth, seconds, 400)
+    steady = [n for i, n in enumerate(lengths[200:], start=200) if i % 8]
+    assert min(steady) >= 4, steady
+    assert model.expected_accepted(confidence, 4) == pytest.approx(sum(truth[:4]), rel=0.12)
+
+
+def test_a_drafter_that_overstates_its_acceptance_is_verified_shorter():
+    """Confidence near 1 at every position, but the target accepts each next position a third of
+    the time: the calibration brings the block down to at most one token."""
+    confidence = [0.97 ** (i + 1) for i in range(8)]
+    truth = [(1 / 3) ** (i + 1) for i in range(8)]
+    model, lengths = _calibrated_lengths(confidence, truth, lambda t: 0.05 + 0.02 * t, 400)
+    steady = [n for i, n in enumerate(lengths[200:], start=200) if i % 8]
+    assert max(steady) <= 1, steady
+    assert model.expected_accepted(confidence, 1) == pytest.approx(truth[0], abs=0.12)
+
+
 def _greedy_case(num_seqs: int, max_tokens: int):
     """A debug target, random prompts, their plain greedy outputs, and each prompt's reference
     (prompt + output + padding) for scripted drafters."""
