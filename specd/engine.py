@@ -440,7 +440,10 @@ class SpeculativeEngine:
         whole speculative and plain steps delivered at this batch, finds plain steps faster."""
         if self.drafter is None or self.config.block_size == 0:
             return False
-        return not self.config.adaptive_block or self.cost_model.should_speculate(num_seqs)
+        if not self.config.adaptive_block:
+            return True
+        can_overlap = self._pool is not None and self.drafter.can_speculate
+        return self.cost_model.should_speculate(num_seqs, can_overlap=can_overlap)
 
     def _overlaps(self, num_seqs: int) -> bool:
         """A speculative step in async mode: whether the drafter drafts the next block's
@@ -477,6 +480,7 @@ class SpeculativeEngine:
             self.stats.seconds_drafter_blocking += time.perf_counter() - start
             self.stats.num_drafter_calls += 1
             self.stats.num_drafter_blocking_calls += 1
+        self.cost_model.observe_drafting(len(running), time.perf_counter() - start)
         for seq, block in zip(need, blocks):
             seq.block = block
 

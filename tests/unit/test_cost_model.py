@@ -60,6 +60,28 @@ def test_a_rate_that_changes_changes_the_choice():
     assert late.count(True) <= len(late) // 8 + 1
 
 
+@pytest.mark.parametrize("drafting, can_overlap", [(0.0002, False), (0.01, False), (0.0002, True)])
+def test_a_drafter_that_costs_nothing_keeps_drafting_through_a_run_of_rejections(drafting, can_overlap):
+    """Plain passes of 40 ms; speculative steps that (a run of rejected drafts) deliver less than
+    plain ones. A drafter whose blocking draft takes 0.2 ms drafts on every step (the block's
+    length decides what it costs); one that takes 10 ms (a quarter of a pass) is turned off, as
+    whole-step rates say; and one that could draft beside the pass is left to the rates too."""
+    model = CostModel(explore_every=8)
+    for _ in range(4):
+        model.observe_pass(1, 1, 0.04)
+    decisions = []
+    for _ in range(64):
+        speculate = model.should_speculate(1, can_overlap=can_overlap)
+        if speculate:
+            model.observe_drafting(1, drafting)
+        model.observe_step(1, speculate, tokens=1, seconds=0.05 if speculate else 0.04)
+        decisions.append(speculate)
+    if drafting < model.free_drafting * 0.04 and not can_overlap:
+        assert all(decisions)
+    else:
+        assert decisions[16:].count(True) <= 8, decisions
+
+
 def _lengths(model: CostModel, num_seqs: int, confidence: list[float], seconds, steps: int) -> list[int]:
     """``steps`` block choices for ``num_seqs`` sequences, each pass then observed at ``seconds(tokens)``."""
     out = []
