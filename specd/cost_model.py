@@ -11,9 +11,9 @@ within a few steps).
 
 Verifying ``L`` drafted tokens of a sequence whose drafter believes position ``i`` and all before
 it are accepted with probability ``a_i`` (`DraftBlock.confidence`) is expected to commit
-``E(L) = 1 + sum_{i<=L} g(a_i)`` tokens, where ``g`` maps a confidence to how often the target
-accepted positions drafted with it (`Calibration`: per bin of confidence, learnt from every
-verified block, kept non-increasing along a block). A drafter's confidence is rarely a
+``E(L) = 1 + sum_{i<=L} g(a)_i`` tokens, where ``g`` maps the drafter's confidence to how often
+the target accepted such positions (`Calibration`: per bin of the conditional confidence
+``a_i / a_{i-1}``, learnt from every verified block). A drafter's confidence is rarely a
 probability: prompt lookup's Laplace estimate says 0.44 for the second token of a match seen
 once, where the target accepts it far more often, and a scale alone cannot fix a shape. Where the
 target pads its passes (a GPU, a hybrid model), one ``L`` is chosen for the whole batch (the
@@ -106,14 +106,19 @@ class _Rate:
 
 @dataclass(kw_only=True, slots=True)
 class Calibration:
-    """g: the drafter's confidence -> the measured rate at which the target accepts a position
-    drafted with that confidence (the position and every one before it, as ``confidence`` means).
+    """g: the drafter's confidence -> the measured rate at which the target accepts each position
+    (the position and every one before it, as ``confidence`` means).
 
-    Confidences in [0, 1] fall in ``bins`` equal bins; each keeps exponentially weighted counts
-    of verified positions and accepted ones, starting from ``prior`` pseudo-positions accepted at
-    the bin's middle value (so an unmeasured drafter is taken at its word). Only positions that
-    were verified are counted, so a bin the cost model stops verifying is revisited by its
-    explorations (twice the chosen length every ``explore_every`` choices)."""
+    What is calibrated is the drafter's *conditional* confidence at each position, ``c_i / c_{i-1}``
+    (the chance it gives position ``i`` once every earlier one was accepted; D3D's per-position
+    ``E_q[q]``, prompt lookup's agreeing share of the matches): its ratios fall in ``bins`` equal
+    bins of [0, 1], and each bin keeps exponentially weighted counts of positions verified after
+    an accepted one and of those accepted, starting from ``prior`` pseudo-positions accepted at
+    the bin's middle value (an unmeasured drafter is taken at its word). A position's calibrated
+    rate is the product of its and the earlier positions' bins, so rates never increase along a
+    block. Conditionals repeat across positions (a match seen once gives 2/3 at every position),
+    so what the first position teaches holds for the fourth: a block verified short still learns
+    what a longer one would be worth, which cumulative bins (seen only where verified) did not."""
 
     bins: int = 20
     prior: float = 2.0
@@ -127,23 +132,26 @@ class Calibration:
             self.seen = [self.prior] * self.bins
             self.accepted = [self.prior * (b + 0.5) / self.bins for b in range(self.bins)]
 
-    def _bin(self, confidence: float) -> int:
-        return min(self.bins - 1, max(0, int(confidence * self.bins)))
+    def _bins(self, confidence: list[float]) -> list[int]:
+        out, before = [], 1.0
+        for c in confidence:
+            ratio = c / before if before > 0 else 0.0
+            out.append(min(self.bins - 1, max(0, int(ratio * self.bins))))
+            before = c
+        return out
 
     def rates(self, confidence: list[float]) -> list[float]:
-        """Calibrated acceptance of each position (non-increasing: a position is accepted only
-        with every one before it)."""
+        """Calibrated chance that each position (and every one before it) is accepted."""
         out, running = [], 1.0
-        for c in confidence:
-            b = self._bin(c)
-            running = min(running, self.accepted[b] / self.seen[b])
+        for b in self._bins(confidence):
+            running *= self.accepted[b] / self.seen[b]
             out.append(running)
         return out
 
     def observe(self, confidence: list[float], accepted: int) -> None:
-        """A verified block: positions ``< accepted`` were accepted, the rest of ``confidence`` not."""
-        for i, c in enumerate(confidence):
-            b = self._bin(c)
+        """A verified block: its first ``accepted`` positions were accepted, the next rejected
+        (the ones after it say nothing about their conditional chance)."""
+        for i, b in enumerate(self._bins(confidence)[: accepted + 1]):
             self.seen[b] = self.decay * self.seen[b] + 1
             self.accepted[b] = self.decay * self.accepted[b] + (1.0 if i < accepted else 0.0)
 
