@@ -226,8 +226,8 @@ class CostModel:
     overlap_duels: dict[int, _Duel] = field(default_factory=dict)
     """Batch bucket -> speculative steps with the candidate pass beside verification, or without."""
     free_drafting: float = 0.02
-    """A drafter whose blocking drafts cost at most this share of a plain pass drafts every step
-    (see `should_speculate`)."""
+    """A blocking draft that costs at most this share of a plain pass is free: a step that
+    drafted so and verified nothing is scored as a plain step (`SpeculativeEngine.step`)."""
     drafting_seconds: dict[int, float] = field(default_factory=dict)
     """Batch bucket -> seconds of a step's blocking draft (EMA)."""
 
@@ -251,7 +251,12 @@ class CostModel:
         self.drafting_seconds[bucket] = seconds if last is None else 0.8 * last + 0.2 * seconds
 
     def drafting_is_free(self, num_seqs: int) -> bool:
-        """Whether a blocking draft at this batch costs at most ``free_drafting`` of a plain pass."""
+        """Whether a blocking draft at this batch costs at most ``free_drafting`` of a plain pass.
+
+        Prompt lookup drafts in a fraction of a millisecond and, where it finds no match, the step
+        verifies nothing: a plain step. Scored as a speculative one, a stretch without matches
+        made speculating lose the whole-step comparison, and it was then tried again only after
+        16, 32, ... 128 plain steps, through the next matches."""
         seconds = self.drafting_seconds.get(self._bucket(num_seqs))
         return seconds is not None and seconds <= self.free_drafting * self.pass_cost(num_seqs, 1)
 
@@ -261,19 +266,8 @@ class CostModel:
         rate = duel.rates.get(speculative) if duel is not None else None
         return rate.value if rate is not None else None
 
-    def should_speculate(self, num_seqs: int, *, can_overlap: bool = False) -> bool:
-        """Whether this step drafts at all (see the module docstring).
-
-        A drafter that cannot draft beside the pass (``can_overlap`` False) and whose blocking
-        drafts cost next to nothing (`drafting_is_free`: prompt lookup, a lookup per sequence)
-        drafts every step: `choose_lengths` then verifies what its confidence is worth, down to
-        nothing (a plain pass), so such a step costs at most that share more than a plain one,
-        and a confident draft is never missed. Whole-step rates cannot tell that apart: a run of
-        rejected drafts makes speculation lose there, and it was then tried again only after
-        16, 32, ... 128 plain steps, through the next matches (prompt lookup on SmolLM2 at batch
-        1 drafted in a fifth of its steps where a fixed block drafts in three fifths).
-
-        Otherwise the arm whose whole steps
+    def should_speculate(self, num_seqs: int) -> bool:
+        """Whether this step drafts at all (see the module docstring): the arm whose whole steps
         delivered more tokens per second at this batch; arms not yet measured are tried
         (two speculative steps first, then plain ones). The losing arm is tried again after
         ``explore_every`` decisions, then after twice as many each time it is still the loser
@@ -283,8 +277,6 @@ class CostModel:
         two steps and the engine reports steady-state steps only (`observe_step` after a step of
         the same kind): the first speculative step after plain ones drafts blocking, catching up
         on the context, where the next one in async mode has its candidates ready."""
-        if not can_overlap and self.drafting_is_free(num_seqs):
-            return True
         duel = self.speculate_duels.setdefault(self._bucket(num_seqs), _Duel())
         return duel.choose(first=True, first_steps=2, runs=2, explore_every=self.explore_every,
                            max_explore_every=self.max_explore_every)

@@ -430,7 +430,11 @@ class SpeculativeEngine:
             tokens, seconds = self.stats.num_emitted_tokens - emitted_before, time.perf_counter() - began
             # (Nor a step that tried the losing way to speculate: it measures that way.)
             if speculative == self._last_speculative and not self._overlap_explored:
-                self.cost_model.observe_step(len(running), speculative, tokens, seconds)
+                # A step that verified nothing with a draft that cost next to nothing (prompt
+                # lookup without a match) was a plain step: scored as one, so that stretches
+                # without matches do not count against speculating (`CostModel.drafting_is_free`).
+                verified = any(lengths) or not self.cost_model.drafting_is_free(len(running))
+                self.cost_model.observe_step(len(running), speculative and verified, tokens, seconds)
             if speculative and self._last_overlap == overlap:
                 self.cost_model.observe_overlap(len(running), overlap, tokens, seconds)
         self._last_speculative, self._last_overlap = speculative, (overlap if speculative else None)
@@ -440,10 +444,7 @@ class SpeculativeEngine:
         whole speculative and plain steps delivered at this batch, finds plain steps faster."""
         if self.drafter is None or self.config.block_size == 0:
             return False
-        if not self.config.adaptive_block:
-            return True
-        can_overlap = self._pool is not None and self.drafter.can_speculate
-        return self.cost_model.should_speculate(num_seqs, can_overlap=can_overlap)
+        return not self.config.adaptive_block or self.cost_model.should_speculate(num_seqs)
 
     def _overlaps(self, num_seqs: int) -> bool:
         """A speculative step in async mode: whether the drafter drafts the next block's
