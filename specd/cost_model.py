@@ -227,7 +227,7 @@ class CostModel:
     """Batch bucket -> speculative steps with the candidate pass beside verification, or without."""
     free_drafting: float = 0.02
     """A blocking draft that costs at most this share of a plain pass is free: a step that
-    drafted so and verified nothing is scored as a plain step (`SpeculativeEngine.step`)."""
+    drafted so and verified nothing is scored as a plain step (`observe_step`)."""
     drafting_seconds: dict[int, float] = field(default_factory=dict)
     """Batch bucket -> seconds of a step's blocking draft (EMA)."""
 
@@ -239,10 +239,14 @@ class CostModel:
         passes = self.plain_passes if tokens_per_seq <= 1 else self.lines
         passes.setdefault(self._bucket(num_seqs), _Line()).add(tokens_per_seq, seconds)
 
-    def observe_step(self, num_seqs: int, speculative: bool, tokens: int, seconds: float) -> None:
+    def observe_step(self, num_seqs: int, speculative: bool, tokens: int, seconds: float, *,
+                     verified: bool = True) -> None:
         """A whole step (drafting, pass, verification) committed ``tokens`` in ``seconds`` (the
-        engine reports a step that ran as the one before it did: see `should_speculate`)."""
-        self.speculate_duels.setdefault(self._bucket(num_seqs), _Duel()).observe(speculative, tokens, seconds)
+        engine reports a step that ran as the one before it did: see `should_speculate`).
+        ``verified``: whether it verified any drafted token. A speculative step that verified
+        none after a free draft (`drafting_is_free`) was a plain step and is scored as one."""
+        arm = speculative and (verified or not self.drafting_is_free(num_seqs))
+        self.speculate_duels.setdefault(self._bucket(num_seqs), _Duel()).observe(arm, tokens, seconds)
 
     def observe_drafting(self, num_seqs: int, seconds: float) -> None:
         """A step waited ``seconds`` for its blocking draft (every sequence's, together)."""

@@ -408,11 +408,11 @@ class SpeculativeEngine:
             seq.generation.accepted_lengths.append(result.num_accepted)
             self.stats.count_block(len(block), result.num_accepted)
             if seq.block is not None and block:
-                self.stats.count_confidence(seq.block.confidence[: len(block)])
+                verified = list(seq.block.confidence[: len(block)])
+                self.stats.count_confidence(verified)
                 if self.stats.block_samples is not None:
-                    self.stats.block_samples.append(
-                        (list(seq.block.confidence[: len(block)]), result.num_accepted, seq.seq_id))
-                self.cost_model.observe_acceptance(list(seq.block.confidence[: len(block)]), result.num_accepted)
+                    self.stats.block_samples.append((verified, result.num_accepted, seq.seq_id))
+                self.cost_model.observe_acceptance(verified, result.num_accepted)
             outcome = (result.num_accepted, result.next_token)
             seq.block = None
             if candidates is not None:
@@ -430,11 +430,7 @@ class SpeculativeEngine:
             tokens, seconds = self.stats.num_emitted_tokens - emitted_before, time.perf_counter() - began
             # (Nor a step that tried the losing way to speculate: it measures that way.)
             if speculative == self._last_speculative and not self._overlap_explored:
-                # A step that verified nothing with a draft that cost next to nothing (prompt
-                # lookup without a match) was a plain step: scored as one, so that stretches
-                # without matches do not count against speculating (`CostModel.drafting_is_free`).
-                verified = any(lengths) or not self.cost_model.drafting_is_free(len(running))
-                self.cost_model.observe_step(len(running), speculative and verified, tokens, seconds)
+                self.cost_model.observe_step(len(running), speculative, tokens, seconds, verified=any(lengths))
             if speculative and self._last_overlap == overlap:
                 self.cost_model.observe_overlap(len(running), overlap, tokens, seconds)
         self._last_speculative, self._last_overlap = speculative, (overlap if speculative else None)
