@@ -28,9 +28,10 @@ Design choices:
   every acknowledged trace is in exactly one entry (acknowledgement follows the checkpoint), which
   a fault test can check from disk alone. Bounded like ``trained_ids``: the newest entries that
   together hold at least ``remember_traces`` ids are kept (older ones are dropped whole; their
-  ``checkpoint`` numbers are not reused). A held-out id is skipped as a duplicate only while it
-  is among the newest ``max_heldout`` held-out traces: one redelivered after more than that many
-  newer held-out ones would be taken in (and recorded) again.
+  ``checkpoint`` numbers are not reused). Held-out ids are remembered apart from the held-out
+  trajectories the gate keeps (``heldout_ids``, bounded by ``remember_traces`` too): a killed
+  trainer's successor is redelivered every trace of the window it never acknowledged, often more
+  held-out ones than the gate keeps (``max_heldout``), and must skip each of them.
 - **A version is a checkpoint that passed the gate.** Every ``steps_per_version`` steps the
   online state is saved (`save`, atomically: `specd.train.opd.save_checkpoint`), and the service
   acknowledges the traces in it only then. The weights keep training whether or not a candidate
@@ -102,7 +103,8 @@ class OnlineConfig:
     gate_seed: int = 0
     """Seeds the gate's anchors and branches (the same for the live drafter and the candidate)."""
     remember_traces: int = 100_000
-    """Trace ids remembered as trained (the newest), to skip redelivered traces."""
+    """Trace ids remembered as trained, and apart as held out (the newest of each), to skip
+    redelivered traces."""
     keep_versions: int = 5
     """Published version directories kept on disk (the live one always is)."""
 
@@ -354,7 +356,8 @@ class OnlineLearner:
         self.directory = Path(directory)
         self.counters = OnlineCounters()
         self.trained_ids: OrderedDict[str, None] = OrderedDict()
-        self.heldout: OrderedDict[str, Trajectory] = OrderedDict()
+        self.heldout: OrderedDict[str, Trajectory] = OrderedDict()  # the gate's, the newest max_heldout
+        self.heldout_ids: OrderedDict[str, None] = OrderedDict()  # every held-out id, the newest remember_traces
         self.published: OrderedDict[str, dict[str, str]] = OrderedDict()  # version -> sha256 map
         self.batch: list[Trace] = []
         self.steps_at_version = 0  # num_steps at the last checkpoint
@@ -394,15 +397,18 @@ class OnlineLearner:
     def add(self, trace: Trace) -> str:
         """Take one trace: "train" (queued for the next step), "heldout" or "duplicate" (skipped)."""
         trace_id = trace.trace_id
-        if trace_id in self.trained_ids or trace_id in self.heldout or any(t.trace_id == trace_id for t in self.batch):
+        if trace_id in self.trained_ids or trace_id in self.heldout_ids or any(t.trace_id == trace_id for t in self.batch):
             self.counters.duplicates += 1
             return "duplicate"
         self.counters.traces_consumed += 1
         if is_heldout(trace_id, self.online.heldout_every):
             self.heldout[trace_id] = trace.trajectory
+            self.heldout_ids[trace_id] = None
             self._new_heldout.append(trace_id)
             while len(self.heldout) > self.online.max_heldout:
                 self.heldout.popitem(last=False)
+            while len(self.heldout_ids) > self.online.remember_traces:
+                self.heldout_ids.popitem(last=False)
             return "heldout"
         self.batch.append(trace)
         return "train"
@@ -513,6 +519,7 @@ class OnlineLearner:
             "counters": asdict(self.counters),
             "trained_ids": list(self.trained_ids),
             "heldout": [(i, t.prompt, t.response) for i, t in self.heldout.items()],
+            "heldout_ids": list(self.heldout_ids),
             "published": list(self.published.items()),
             "ledger": [asdict(entry) for entry in self.ledger],
             "num_checkpoints": self.num_checkpoints,
@@ -522,6 +529,8 @@ class OnlineLearner:
         self.counters = OnlineCounters(**state["counters"])
         self.trained_ids = OrderedDict.fromkeys(state["trained_ids"])
         self.heldout = OrderedDict((i, Trajectory(prompt=p, response=r)) for i, p, r in state["heldout"])
+        # A checkpoint written before held-out ids were kept apart remembers the gate's traces only.
+        self.heldout_ids = OrderedDict.fromkeys(state.get("heldout_ids", list(self.heldout)))
         self.published = OrderedDict(state["published"])
         # A checkpoint written before the ledger existed starts one (numbered from 1).
         self.ledger = [LedgerEntry(**entry) for entry in state.get("ledger", [])]

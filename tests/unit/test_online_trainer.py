@@ -393,6 +393,31 @@ def test_the_ledger_records_each_checkpoint_and_survives_a_restart(models, redis
         read_ledger(tmp_path / "nothing")
 
 
+def test_a_successor_skips_every_redelivered_heldout_trace_even_past_max_heldout(models, redis_url, client, tmp_path):
+    """A window of more held-out traces than the gate keeps, saved and never acknowledged (a kill
+    between checkpoint and ack): the successor is redelivered all of them and must skip each one.
+    (When the gate's own newest ``max_heldout`` were the only memory, the oldest came back as
+    new, pushed out the next before it came back, and every one landed in two ledger entries.)"""
+    directory = tmp_path / "run"
+    trained, heldout = make_traces(6, heldout=False), make_traces(3, heldout=True, start=1000)
+    add(client, [*heldout, *trained[:4]])
+    first = TrainerService(config(models, redis_url, directory, max_heldout=1), client=client)
+    first.stream.ack = lambda ids: None  # killed between the checkpoint and its XACK
+    poll_until(first, lambda: first.learner.num_checkpoints == 1)
+    assert pending(client) == 7 and len(first.learner.heldout) == 1
+
+    second = TrainerService(config(models, redis_url, directory, max_heldout=1), client=client)
+    add(client, trained[4:])
+    poll_until(second, lambda: second.learner.num_steps == 3)
+    assert second.learner.counters.duplicates == 7
+    second.stop()
+    second.run()  # saves checkpoint 2 and acknowledges everything
+    assert pending(client) == 0
+    ledger = read_ledger(directory)
+    assert [e.checkpoint for e in ledger] == [1, 2] and ledger[1].heldout == [] and ledger[1].trained == ids(trained[4:])
+    assert_each_once(ledger, ids(trained) + ids(heldout))
+
+
 def test_the_ledger_keeps_the_newest_entries_that_cover_remember_traces():
     entries = [LedgerEntry(checkpoint=n, num_steps=n, trained=[f"{n}-{i}" for i in range(size)], heldout=[])
                for n, size in enumerate([3, 2, 4], start=1)]
