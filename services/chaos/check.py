@@ -177,14 +177,18 @@ def acknowledged(observations: Observations) -> list[tuple[str, str]]:
 
 def check_ledger(observations: Observations) -> CheckResult:
     entries_of: dict[str, list[int]] = {}
+    sides: dict[str, list[str]] = {}  # per trace, "trained" / "held out" in each entry it is in
     for entry in observations.ledger:
-        for trace_id in [*entry.trained, *entry.heldout]:
-            entries_of.setdefault(trace_id, []).append(entry.checkpoint)
+        for side, trace_ids in (("trained", entry.trained), ("held out", entry.heldout)):
+            for trace_id in trace_ids:
+                entries_of.setdefault(trace_id, []).append(entry.checkpoint)
+                sides.setdefault(trace_id, []).append(side)
     acked = acknowledged(observations)
     problems = [f"trace {trace} (entry {entry}) was acknowledged but is in no checkpoint's ledger: lost to training"
                 for entry, trace in acked if trace not in entries_of]
     twice = {t: c for t, c in entries_of.items() if len(c) > 1}
-    problems += [f"trace {t} is in the ledger of checkpoints {c}: trained (or held out) twice" for t, c in twice.items()]
+    problems += [f"trace {t} is in the ledger of checkpoints {c}: taken in twice ({', '.join(sides[t])})"
+                 for t, c in twice.items()]
     return _result("ledger", problems, {
         "acknowledged": len(acked), "pending": len(observations.pending), "dead_letters": len(observations.dead_sources),
         "checkpoints": len(observations.ledger), "lost": sum(t not in entries_of for _, t in acked),

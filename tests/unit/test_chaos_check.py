@@ -180,7 +180,7 @@ def test_an_id_in_two_ledger_entries_fails_ledger(run):
     twice = observations.ledger[0].trained[3]
     observations.ledger[2].heldout.append(twice)
     result = check_ledger(observations)
-    assert not result.passed and f"trace {twice} is in the ledger of checkpoints [1, 3]" in result.problems[0]
+    assert not result.passed and f"trace {twice} is in the ledger of checkpoints [1, 3]: taken in twice (trained, held out)" in result.problems[0]
     assert result.figures["double_trained"] == 1
 
 
