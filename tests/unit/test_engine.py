@@ -87,8 +87,10 @@ def test_greedy_ngram_equals_plain_greedy(target, block_size):
 
 def test_the_lm_head_runs_only_where_verification_reads(target):
     """A prefill step reads one column per prompt and a verification ``len(block) + 1`` per
-    sequence: the head's rows are those, not every new token of the padded pass."""
+    sequence: the head's rows are those, packed, not every new token of the padded pass nor the
+    padding of a sequence whose block is shorter than another's."""
     batch = prompts(3)
+    batch[0] = batch[0][:3] * 5  # prompt lookup finds matches in this one, hardly in the others
     params = SamplingParams(max_tokens=6)
     expected = [g.token_ids for g in autoregressive(target, batch, params)]
     rows = []
@@ -98,13 +100,14 @@ def test_the_lm_head_runs_only_where_verification_reads(target):
                                    EngineConfig(max_num_seqs=3, block_size=3, mode="sync", adaptive_block=False))
         lengths = []
         verify = engine._verify_pass
-        engine._verify_pass = lambda running, blocks: (lengths.append(max(map(len, blocks))), verify(running, blocks))[1]
+        engine._verify_pass = lambda running, blocks: (lengths.append([len(b) for b in blocks]), verify(running, blocks))[1]
         got = [g.token_ids for g in engine.generate(batch, params)]
     finally:
         hook.remove()
     assert got == expected
-    assert max(map(len, batch)) > 1 and rows[0] == (3, lengths[0] + 1)  # the prefill: 3 prompts, one column each
-    assert rows == [(3, length + 1) for length in lengths]
+    assert min(map(len, batch)) > 1  # the prefill step too: one column per prompt, plus its block's
+    assert rows == [(sum(n + 1 for n in blocks),) for blocks in lengths]
+    assert any(len(set(blocks)) > 1 for blocks in lengths)  # some steps verified blocks of different lengths
 
 
 def test_stop_tokens_end_like_plain_decoding(target, drafter_model):
