@@ -215,8 +215,7 @@ def rotary_tables(
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: ``[num_seqs, num_heads, max_new, head_dim]``; cos/sin: ``[num_seqs, max_new, head_dim]``
-    (or packed tokens: x ``[num_real, num_heads, head_dim]``, cos/sin ``[num_real, head_dim]``)."""
+    """x: ``[num_seqs, num_heads, max_new, head_dim]``; cos/sin: ``[num_seqs, max_new, head_dim]``."""
     cos, sin = cos[:, None], sin[:, None]
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -279,23 +278,16 @@ class GQAttention(nn.Module):
         real: Tensor | None = None,
     ) -> Tensor:
         """With ``real`` (`ForwardBatch.real_index`), ``x`` holds the real tokens only: the
-        projections, the q/k norms and the rotary embedding run on those (the same numbers, per
-        token), and only the cache write and the attention itself see the padded grid. At batch
-        16 one sequence verifying 16 tokens beside 15 plain ones pads 32 real tokens to 272."""
+        projections run on those, and only the attention itself sees the padded grid."""
         num_seqs, max_new = batch.input_ids.shape if real is not None else x.shape[:2]
         q, k, v = grouped_linear(x, (self.q_proj, self.k_proj, self.v_proj))
-        split = lambda t, h: t.view(num_seqs, max_new, h, self.head_dim).transpose(1, 2)  # noqa: E731
         if real is not None:
-            cos, sin = (table.reshape(num_seqs * max_new, -1)[real] for table in rotary)  # [num_real, head_dim]
-            q = apply_rotary(self.q_norm(q.view(-1, self.num_heads, self.head_dim)), cos, sin)
-            k = apply_rotary(self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim)), cos, sin)
-            q, k, v = (split(unpack(t.flatten(1), real, num_seqs, max_new), h)
-                       for t, h in ((q, self.num_heads), (k, self.num_kv_heads), (v, self.num_kv_heads)))
-        else:
-            q = self.q_norm(split(q, self.num_heads))
-            k = self.k_norm(split(k, self.num_kv_heads))
-            v = split(v, self.num_kv_heads)
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+            q, k, v = (unpack(t, real, num_seqs, max_new) for t in (q, k, v))
+        split = lambda t, h: t.view(num_seqs, max_new, h, self.head_dim).transpose(1, 2)  # noqa: E731
+        q = self.q_norm(split(q, self.num_heads))
+        k = self.k_norm(split(k, self.num_kv_heads))
+        v = split(v, self.num_kv_heads)
+        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if cache is not None:
             k, v = cache.update(self.layer_index, k, v, batch)
         out = attention.attend(q, k, v).transpose(1, 2)  # [num_seqs, max_new, num_heads, head_dim]
