@@ -124,12 +124,14 @@ class AttentionMetadata:
         if self.split is None:
             return self.backend.attend(q, k, v, self)
         width, rows = self.split
-        out = q.new_zeros(*q.shape[:3], v.shape[-1])
+        long = self.backend.attend(
+            q[rows, :, width:], k[rows], v[rows], AttentionMetadata(backend=self.backend, mask=self.mask[rows, width:]))
+        # In the backend's output dtype, not q's: under CPU autocast SDPA answers in bf16 for fp32 q.
+        out = long.new_zeros(*q.shape[:3], v.shape[-1])
+        out[rows, :, width:] = long
         if width:  # (0: the short rows are idle ones, with no query at all)
             out[:, :, :width] = self.backend.attend(
                 q[:, :, :width], k, v, AttentionMetadata(backend=self.backend, mask=self.mask[:, :width]))
-        out[rows, :, width:] = self.backend.attend(
-            q[rows, :, width:], k[rows], v[rows], AttentionMetadata(backend=self.backend, mask=self.mask[rows, width:]))
         return out
 
 

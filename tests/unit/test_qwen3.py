@@ -104,3 +104,28 @@ def test_padded_pass_computes_its_real_tokens_only(tmp_path, chains, real, split
     assert rows_seen[0] == (len(real), 48) and rows_seen[1] == (4, max(map(len, chains)), 48)
     for b, chain in enumerate(chains):
         torch.testing.assert_close(packed[b, : len(chain)], padded[b, : len(chain)], rtol=1e-5, atol=1e-5)
+
+
+def test_a_split_attention_pass_runs_under_bf16_autocast(tmp_path):
+    """A ragged pass whose attention is split (a prompt beside decoding rows) under CPU bf16
+    autocast, as the zoo generates a drafter's training answers where the CPU computes bf16:
+    SDPA answers in bf16 for fp32 queries there, and the split's two halves must land in one
+    tensor of that dtype. Close to the fp32 pass."""
+    _, model = hf_checkpoint(tmp_path, **CONFIGS["untied-gqa2"])
+    prompts = [[5, 17, 3, 99], [1, 2], [8], [200, 100, 50, 25, 12]]
+    chains = [[7], list(range(30, 42)), [4], [9]]
+    logits = {}
+    for bf16 in (False, True):
+        cache = model.new_cache(len(prompts))
+        prefill = ForwardBatch.causal(prompts, cache.lengths.tolist())
+        with torch.no_grad():
+            model(prefill, cache)
+        cache.commit(prefill, [list(range(len(p))) for p in prompts])
+        batch = ForwardBatch.from_chains(chains, cache.lengths.tolist())
+        with torch.no_grad():
+            assert AttentionMetadata.from_batch(batch, model.attention_backend).split is not None
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits[bf16] = model(batch, cache).float()
+    for b, chain in enumerate(chains):
+        full, low = logits[False][b, : len(chain)], logits[True][b, : len(chain)]
+        assert (full - low).abs().max() < 0.05 * full.abs().max()
