@@ -215,6 +215,18 @@ class EngineStats:
     seconds_total: float = 0.0
     seconds_target: float = 0.0
     seconds_drafter_blocking: float = 0.0
+    full_batch_tokens: int = 0
+    full_batch_seconds: float = 0.0
+    """Tokens committed by, and seconds of, the steps in which every cache row was busy: the
+    rate a server sustains at this concurrency while requests keep coming. A finite batch of
+    requests also drains at its end, and speculation drains unevenly (sequences finish at
+    different steps, the last ones in small passes) where plain decoding of equal lengths
+    finishes every row at once."""
+
+    @property
+    def full_batch_rate(self) -> float:
+        """Tokens per second of full-batch steps (0.0 before any)."""
+        return self.full_batch_tokens / self.full_batch_seconds if self.full_batch_seconds else 0.0
 
     @property
     def tau(self) -> float:
@@ -424,6 +436,9 @@ class SpeculativeEngine:
         self.cache.commit(self._last_batch, paths[: self._last_batch.num_seqs])
         for seq in running:
             seq.cached = len(seq.context) - 1 if not seq.done else seq.cached
+        if len(running) == self.config.max_num_seqs:
+            self.stats.full_batch_tokens += self.stats.num_emitted_tokens - emitted_before
+            self.stats.full_batch_seconds += time.perf_counter() - began
         if not prefill:
             # Steady-state steps only: a step's cost depends on how the one before it ran (the
             # first speculative step after plain ones drafts blocking, catching up on the context).

@@ -116,6 +116,14 @@ class DecodeRow:
     lookup_share: float = 0.0
     """For the hybrids: the share of freshly drafted blocks that prompt lookup supplied."""
     speedup: float = field(default=1.0)
+    full_batch_tok_s: float = 0.0
+    """Tokens/s of the steps in which every row was busy (`EngineStats.full_batch_rate`): what a
+    server at this concurrency sustains while requests keep coming, without the drain at the end
+    of a finite batch (speculation drains unevenly: its sequences finish at different steps)."""
+    full_batch_share: float = 0.0
+    """Share of the run's seconds spent in full-batch steps."""
+    full_batch_speedup: float = float("nan")
+    """``full_batch_tok_s`` over ar's in the same case."""
 
 
 class _Models:
@@ -240,6 +248,7 @@ def _run_case(models: _Models, method: str, prompts: list[list[int]], *, tempera
         lookup_share=chosen["lookup"] / max(sum(chosen.values()), 1) if chosen else 0.0,
         target_ms_per_pass=1000 * stats.seconds_target / max(stats.num_target_passes, 1),
         blocking_ms_per_step=1000 * stats.seconds_drafter_blocking / max(stats.num_steps, 1),
+        full_batch_tok_s=stats.full_batch_rate, full_batch_share=stats.full_batch_seconds / seconds,
     )
 
 
@@ -278,9 +287,13 @@ def bench_decode(settings: DecodeSettings) -> list[DecodeRow]:
         rows.append(row)
     # Speedup: over specd's own plain decoding in this run (a peer's row too: < 1 means specd is faster).
     baseline = {(r.domain, r.temperature, r.batch): r.tokens_per_second for r in rows if r.method == "ar"}
+    full = {(r.domain, r.temperature, r.batch): r.full_batch_tok_s for r in rows if r.method == "ar"}
     for row in rows:  # without an ar row for its case (--methods left it out): no speedup
         plain = baseline.get((row.domain, row.temperature, row.batch))
         row.speedup = row.tokens_per_second / plain if plain else float("nan")
+        plain_full = full.get((row.domain, row.temperature, row.batch))
+        if plain_full and row.full_batch_tok_s:
+            row.full_batch_speedup = row.full_batch_tok_s / plain_full
     return rows
 
 
@@ -292,13 +305,14 @@ def summary(rows: list[DecodeRow], *, batch: int, block: int, temperature: float
                   and (r.block == block or method in ("ar", *PEERS))]
         if chosen:
             mean = lambda key: sum(getattr(r, key) for r in chosen) / len(chosen)  # noqa: E731
-            out[method] = {k: mean(k) for k in ("tau", "speedup", "tokens_per_second", "hit_rate", "overhead_ms_per_step")}
+            out[method] = {k: mean(k) for k in ("tau", "speedup", "tokens_per_second", "hit_rate", "overhead_ms_per_step",
+                                                "full_batch_speedup")}
     return out
 
 
 def format_table(rows: list[DecodeRow]) -> str:
     head = (f"{'method':<16} {'domain':<9} {'T':>3} {'thr':>3} {'batch':>5} {'block':>5} {'used':>5} {'drft':>5} {'tau':>6} {'hit':>5} "
-            f"{'tok/s':>8} {'speedup':>8} {'ovh ms':>7} {'pass ms':>7} {'wait ms':>7}  acceptance/pos")
+            f"{'tok/s':>8} {'speedup':>8} {'full x':>7} {'ovh ms':>7} {'pass ms':>7} {'wait ms':>7}  acceptance/pos")
     lines = [head, "-" * len(head)]
     for r in rows:
         acceptance = " ".join(f"{a:.2f}" for a in r.acceptance_per_pos[:8])
@@ -306,7 +320,7 @@ def format_table(rows: list[DecodeRow]) -> str:
             f"{r.method:<16} {r.domain:<9} {r.temperature:>3.1f} {r.threads:>3} {r.batch:>5} {r.block:>5} {r.verified_block:>5.2f} "
             f"{r.drafted:>5.2f} "
             f"{r.tau:>6.2f} {r.hit_rate:>5.2f} "
-            f"{r.tokens_per_second:>8.1f} {r.speedup:>7.2f}x {r.overhead_ms_per_step:>7.2f} {r.target_ms_per_pass:>7.1f} "
+            f"{r.tokens_per_second:>8.1f} {r.speedup:>7.2f}x {r.full_batch_speedup:>6.2f}x {r.overhead_ms_per_step:>7.2f} {r.target_ms_per_pass:>7.1f} "
             f"{r.blocking_ms_per_step:>7.1f}  {acceptance}"
         )
     return "\n".join(lines)
@@ -325,10 +339,10 @@ def format_summary(rows: list[DecodeRow], settings: DecodeSettings) -> str:
             if not goals:
                 continue
             lines.append(f"\nmean over domains, batch {batch}, block {block}, temperature {temperature}:")
-            lines.append(f"{'method':<16} {'tau':>6} {'speedup':>8} {'tok/s':>8} {'hit':>5} {'ovh ms':>7}")
+            lines.append(f"{'method':<16} {'tau':>6} {'speedup':>8} {'tok/s':>8} {'hit':>5} {'ovh ms':>7} {'full batch':>10}")
             for method, s in goals.items():
                 lines.append(f"{method:<16} {s['tau']:>6.2f} {s['speedup']:>7.2f}x {s['tokens_per_second']:>8.1f} "
-                             f"{s['hit_rate']:>5.2f} {s['overhead_ms_per_step']:>7.2f}")
+                             f"{s['hit_rate']:>5.2f} {s['overhead_ms_per_step']:>7.2f} {s['full_batch_speedup']:>9.2f}x")
             rate = lambda m: goals[m]["tokens_per_second"]  # noqa: E731
             checks = []
             if {"hf", "ar"} <= goals.keys():
@@ -345,6 +359,9 @@ def format_summary(rows: list[DecodeRow], settings: DecodeSettings) -> str:
                 worst = min((m for m in goals if m != "ar"), key=lambda m: goals[m]["speedup"], default=None)
                 if worst is not None:
                     checks.append(f"slowest speculative method ({worst}) / ar = {goals[worst]['speedup']:.2f}x (>= 0.95)")
+                    steady = min((m for m in goals if m != "ar"), key=lambda m: goals[m]["full_batch_speedup"])
+                    checks.append(f"at full batch (every row busy): slowest ({steady}) / ar = "
+                                  f"{goals[steady]['full_batch_speedup']:.2f}x (>= 0.95)")
             if {"d3d-sync", "dflash"} <= goals.keys():
                 checks.append(f"D3D tau / DFlash-style tau = {goals['d3d-sync']['tau'] / goals['dflash']['tau']:.2f}")
             lines.extend(f"  {check}" for check in checks)

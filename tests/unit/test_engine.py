@@ -227,6 +227,37 @@ def test_num_drafts_counts_drafted_blocks_only_and_tau_every_sequence_pass(targe
     assert plain.stats.num_sequence_passes == sum(len(e.token_ids) for e in expected)
 
 
+def test_full_batch_counters_cover_exactly_the_steps_with_every_row_busy(target):
+    """`EngineStats.full_batch_tokens` counts the tokens of steps that ran every cache row, and
+    nothing of the drain: plain decoding of 7 equal-length requests through 3 rows runs two full
+    waves and a last request alone; speculation at uneven speeds refills rows as they free."""
+    batch = prompts(7)
+    params = SamplingParams(max_tokens=20)
+    expected = autoregressive(target, batch, params)
+    references = [p + e.token_ids + [0] * 8 for p, e in zip(batch, expected)]
+    for drafter in (None, _HalfOracleDrafter(references, VOCAB)):
+        engine = SpeculativeEngine(target, drafter, EngineConfig(max_num_seqs=3, block_size=4 if drafter else 0,
+                                                                 mode="sync", adaptive_block=False))
+        seen = []  # (rows running, tokens the step committed)
+        step = engine.step
+
+        def counting(running, step=step, engine=engine, seen=seen):
+            before = engine.stats.num_emitted_tokens
+            step(running)
+            seen.append((len(running), engine.stats.num_emitted_tokens - before))
+
+        engine.step = counting
+        got = engine.generate(batch, params)
+        assert [g.token_ids for g in got] == [e.token_ids for e in expected]
+        full = sum(tokens for rows, tokens in seen if rows == 3)
+        assert engine.stats.full_batch_tokens == full > 0
+        assert 0 < engine.stats.full_batch_seconds <= engine.stats.seconds_total
+        total = sum(len(e.token_ids) for e in expected)
+        assert full < total
+        if drafter is None:
+            assert full == total - 20  # the seventh request alone
+
+
 def test_the_drafter_contract_answers_for_what_a_drafter_lacks(drafter_model):
     from specd.drafters.dflash import DFlashDrafter
 
