@@ -14,8 +14,9 @@ the same `SpeculativeEngine` code path:
                  same model weights, same threads, no stop token either side);
 - ``hf-lookup``  ``generate`` with prompt lookup (``prompt_lookup_num_tokens=8``).
 
-``--target smollm2-135m`` runs the real model (there is no zoo drafter for it: ar, ngram and the
-two peers), the prompts re-rendered with its own chat template and tokenizer.
+``--target smollm2-135m`` runs the real model, the prompts re-rendered with its own chat template
+and tokenizer; its drafters (``d3d-smollm2-135m``, ``dflash-smollm2-135m``) are zoo steps built on
+first use (see the README for how long that takes).
 
 Reported per (method, domain, temperature, batch, block): τ (tokens per target pass per
 sequence), acceptance per position, candidate hit rate, tokens/s, speedup over ``ar`` at the
