@@ -215,7 +215,8 @@ def rotary_tables(
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: ``[num_seqs, num_heads, max_new, head_dim]``; cos/sin: ``[num_seqs, max_new, head_dim]``."""
+    """x: ``[num_seqs, num_heads, max_new, head_dim]``; cos/sin: ``[num_seqs, max_new, head_dim]``
+    (or token-major: x ``[num_tokens, num_heads, head_dim]``, cos/sin ``[num_tokens, head_dim]``)."""
     cos, sin = cos[:, None], sin[:, None]
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -278,16 +279,26 @@ class GQAttention(nn.Module):
         real: Tensor | None = None,
     ) -> Tensor:
         """With ``real`` (`ForwardBatch.real_index`), ``x`` holds the real tokens only: the
-        projections run on those, and only the attention itself sees the padded grid."""
+        projections, the q/k norms and the rotary embedding run on those, and only the cache write
+        and the attention itself see the padded grid. A prompt of 190 tokens prefilled beside 15
+        decoding rows is a grid of 3040 positions for 205 real tokens, and the norms and rotary
+        embedding of the grid (elementwise, over q and k) cost more than the prompt's products.
+
+        Padded or not, the norms and the rotary embedding run token-major (``[tokens, heads,
+        head_dim]``, contiguous), so a token gets the same arithmetic, bit for bit, whichever
+        batch it is in (a scorer that batches other sequences beside it, or none)."""
         num_seqs, max_new = batch.input_ids.shape if real is not None else x.shape[:2]
         q, k, v = grouped_linear(x, (self.q_proj, self.k_proj, self.v_proj))
+        cos, sin = (table.reshape(num_seqs * max_new, -1) for table in rotary)
         if real is not None:
-            q, k, v = (unpack(t, real, num_seqs, max_new) for t in (q, k, v))
-        split = lambda t, h: t.view(num_seqs, max_new, h, self.head_dim).transpose(1, 2)  # noqa: E731
-        q = self.q_norm(split(q, self.num_heads))
-        k = self.k_norm(split(k, self.num_kv_heads))
-        v = split(v, self.num_kv_heads)
-        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+            cos, sin = cos[real], sin[real]  # [num_real, head_dim]
+        q = apply_rotary(self.q_norm(q.reshape(-1, self.num_heads, self.head_dim)), cos, sin)
+        k = apply_rotary(self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim)), cos, sin)
+        v = v.reshape(-1, self.num_kv_heads * self.head_dim)
+        if real is not None:
+            q, k, v = (unpack(t.flatten(1), real, num_seqs, max_new) for t in (q, k, v))
+        split = lambda t, h: t.reshape(num_seqs, max_new, h, self.head_dim).transpose(1, 2)  # noqa: E731
+        q, k, v = split(q, self.num_heads), split(k, self.num_kv_heads), split(v, self.num_kv_heads)
         if cache is not None:
             k, v = cache.update(self.layer_index, k, v, batch)
         out = attention.attend(q, k, v).transpose(1, 2)  # [num_seqs, max_new, num_heads, head_dim]
