@@ -73,6 +73,17 @@ def test_greedy_generation_matches_transformers_generate(tmp_path):
     assert_greedy_matches_generate(reference, model, [[11, 22, 33, 44], [5, 6]])
 
 
+def prefilled(model):
+    """A cache of four rows holding four ragged prompts (4, 2, 1 and 5 tokens)."""
+    prompts = [[5, 17, 3, 99], [1, 2], [8], [200, 100, 50, 25, 12]]
+    cache = model.new_cache(len(prompts))
+    prefill = ForwardBatch.causal(prompts, cache.lengths.tolist())
+    with torch.no_grad():
+        model(prefill, cache)
+    cache.commit(prefill, [list(range(len(p))) for p in prompts])
+    return cache
+
+
 @pytest.mark.parametrize("chains, real, split", [
     ([[7], [9, 11, 13, 15], [], [21, 22]], [0, 4, 5, 6, 7, 12, 13], None),
     # A prompt prefilled beside decoding rows: attention at width 1, then the long row alone.
@@ -83,12 +94,7 @@ def test_padded_pass_computes_its_real_tokens_only(tmp_path, chains, real, split
     row) runs its projections on the real tokens alone, and its attention split where the padded
     grid is mostly padding, with the logits of the padded pass."""
     _, model = hf_checkpoint(tmp_path, **CONFIGS["untied-gqa2"])
-    prompts = [[5, 17, 3, 99], [1, 2], [8], [200, 100, 50, 25, 12]]
-    cache = model.new_cache(len(prompts))
-    prefill = ForwardBatch.causal(prompts, cache.lengths.tolist())
-    with torch.no_grad():
-        model(prefill, cache)
-    cache.commit(prefill, [list(range(len(p))) for p in prompts])
+    cache = prefilled(model)
     batch = ForwardBatch.from_chains(chains, cache.lengths.tolist())
     assert batch.real_index().tolist() == real
     with torch.no_grad():
@@ -112,15 +118,10 @@ def test_a_split_attention_pass_runs_under_bf16_autocast(tmp_path):
     SDPA answers in bf16 for fp32 queries there, and the split's two halves must land in one
     tensor of that dtype. Close to the fp32 pass."""
     _, model = hf_checkpoint(tmp_path, **CONFIGS["untied-gqa2"])
-    prompts = [[5, 17, 3, 99], [1, 2], [8], [200, 100, 50, 25, 12]]
     chains = [[7], list(range(30, 42)), [4], [9]]
     logits = {}
     for bf16 in (False, True):
-        cache = model.new_cache(len(prompts))
-        prefill = ForwardBatch.causal(prompts, cache.lengths.tolist())
-        with torch.no_grad():
-            model(prefill, cache)
-        cache.commit(prefill, [list(range(len(p))) for p in prompts])
+        cache = prefilled(model)
         batch = ForwardBatch.from_chains(chains, cache.lengths.tolist())
         with torch.no_grad():
             assert AttentionMetadata.from_batch(batch, model.attention_backend).split is not None
