@@ -28,6 +28,7 @@ passes and blocking drafter calls). Output: a table, JSON, and PNG plots.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -360,7 +361,10 @@ def format_summary(rows: list[DecodeRow], settings: DecodeSettings) -> str:
                 worst = min((m for m in goals if m != "ar"), key=lambda m: goals[m]["speedup"], default=None)
                 if worst is not None:
                     checks.append(f"slowest speculative method ({worst}) / ar = {goals[worst]['speedup']:.2f}x (>= 0.95)")
-                    steady = min((m for m in goals if m != "ar"), key=lambda m: goals[m]["full_batch_speedup"])
+                # (nan: a row without a full-batch step, or its case without an ar row)
+                measured = [m for m in goals if m != "ar" and not math.isnan(goals[m]["full_batch_speedup"])]
+                steady = min(measured, key=lambda m: goals[m]["full_batch_speedup"], default=None)
+                if steady is not None:
                     checks.append(f"at full batch (every row busy): slowest ({steady}) / ar = "
                                   f"{goals[steady]['full_batch_speedup']:.2f}x (>= 0.95)")
             if {"d3d-sync", "dflash"} <= goals.keys():

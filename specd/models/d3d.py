@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from specd.batch import ForwardBatch
 from specd.cache import KVCache
 from specd.models.attention import AttentionMetadata, get_backend
-from specd.models.layers import Linear, RMSNorm, rotary_tables
+from specd.models.layers import Linear, RMSNorm, rotary_tables, token_major
 from specd.models.llama import LlamaConfig
 from specd.models.qwen3 import Qwen3Config, Qwen3DecoderLayer, init_weights
 from specd.tree import TokenTree
@@ -290,7 +290,7 @@ class D3DModel(nn.Module):
                 raise ValueError("this drafter reads target hidden states: pass target_hidden")
             is_known = (batch.input_ids != self.config.mask_token_id)[..., None]
             x = x + self.target_proj(target_hidden.to(x.dtype)) * is_known
-        rotary = rotary_tables(batch.positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        rotary = token_major(rotary_tables(batch.positions, self.config.head_dim, self.config.rope_theta, x.dtype))
         attention = AttentionMetadata.from_batch(batch, self.attention_backend)
         for layer in self.layers:
             x = layer(x, rotary, batch, cache, attention)

@@ -214,6 +214,14 @@ def rotary_tables(
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def token_major(rotary: tuple[Tensor, Tensor], real: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """`rotary_tables`' ``[num_seqs, max_new, head_dim]`` cos/sin as ``[num_tokens, head_dim]``,
+    the real tokens' only with ``real`` (`ForwardBatch.real_index`): what `GQAttention` takes,
+    built once per pass rather than gathered again in every layer."""
+    cos, sin = (table.reshape(-1, table.shape[-1]) for table in rotary)
+    return (cos, sin) if real is None else (cos[real], sin[real])
+
+
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x: ``[num_seqs, num_heads, max_new, head_dim]``; cos/sin: ``[num_seqs, max_new, head_dim]``
     (or token-major: x ``[num_tokens, num_heads, head_dim]``, cos/sin ``[num_tokens, head_dim]``)."""
@@ -272,7 +280,7 @@ class GQAttention(nn.Module):
     def forward(
         self,
         x: Tensor,  # [num_seqs, max_new, hidden], or [num_real, hidden] with ``real``
-        rotary: tuple[Tensor, Tensor],  # cos, sin [num_seqs, max_new, head_dim]
+        rotary: tuple[Tensor, Tensor],  # cos, sin [num_tokens, head_dim] (`token_major`: x's tokens)
         batch: ForwardBatch,
         cache: KVCache | None,
         attention: AttentionMetadata,  # the pass's mask and backend (built once per pass)
@@ -289,9 +297,7 @@ class GQAttention(nn.Module):
         batch it is in (a scorer that batches other sequences beside it, or none)."""
         num_seqs, max_new = batch.input_ids.shape if real is not None else x.shape[:2]
         q, k, v = grouped_linear(x, (self.q_proj, self.k_proj, self.v_proj))
-        cos, sin = (table.reshape(num_seqs * max_new, -1) for table in rotary)
-        if real is not None:
-            cos, sin = cos[real], sin[real]  # [num_real, head_dim]
+        cos, sin = rotary
         q = apply_rotary(self.q_norm(q.reshape(-1, self.num_heads, self.head_dim)), cos, sin)
         k = apply_rotary(self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim)), cos, sin)
         v = v.reshape(-1, self.num_kv_heads * self.head_dim)

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from specd.batch import ForwardBatch
 from specd.cache import KVCache
 from specd.models.attention import AttentionMetadata, get_backend
-from specd.models.layers import GQAttention, Linear, RMSNorm, SwiGLU, rotary_tables, unpack
+from specd.models.layers import GQAttention, Linear, RMSNorm, SwiGLU, rotary_tables, token_major, unpack
 
 
 @dataclass(kw_only=True, slots=True)
@@ -214,7 +214,7 @@ class Qwen3ForCausalLM(nn.Module):
         real = None if torch.is_grad_enabled() else batch.real_index()
         ids = batch.input_ids if real is None else batch.input_ids.reshape(-1)[real]
         x = self.model.embed_tokens(ids)
-        rotary = rotary_tables(batch.positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        rotary = token_major(rotary_tables(batch.positions, self.config.head_dim, self.config.rope_theta, x.dtype), real)
         attention = AttentionMetadata.from_batch(batch, self.attention_backend)
         for layer in self.model.layers:
             x = layer(x, rotary, batch, cache, attention, real)
