@@ -36,7 +36,7 @@ from tqdm import tqdm
 from services.client import metrics
 from services.common.config import ServiceConfig
 from services.load import clients_off_verifier_cores, off_cores, run_level, sender
-from services.up import Stack, StackConfig, free_port
+from services.up import Stack, StackConfig, stack_ports
 from services.verifier.drafter_pool import RemoteDrafters
 from specd.bench import profile as bench_profile
 from specd.bench.profile import ProfileSettings, add_scales, measure_drafter, median_rounds
@@ -59,15 +59,11 @@ def run(args: argparse.Namespace) -> int:
     return bench_profile.write(measured.profile, args)
 
 
-def _ports() -> dict[str, int]:
-    return {"verifier_http_port": free_port(), "verifier_grpc_port": free_port(), "drafter_port": free_port()}
-
-
 def measure_drafter_service(drafter_dir: str, model: torch.nn.Module, settings: ProfileSettings, *,
                             pin: bool = True, progress: tqdm | None = None) -> tuple[CostTable, CostTable, list[dict]]:
     """The Draft and Speculate tables through one drafter replica (module docstring)."""
     config = StackConfig(target="", drafter=drafter_dir, drafters=1, verifiers=0, trainer=False, pin=pin,
-                         drafter_args=["--max-num-seqs", str(max(settings.batches))], **_ports())
+                         drafter_args=["--max-num-seqs", str(max(settings.batches))], **stack_ports())
     with Stack(config) as stack, off_cores({s.core for s in stack.drafters}):
         pool = RemoteDrafters([stack.drafters[0].grpc], ServiceConfig(), timeout=60.0)
         try:
@@ -89,7 +85,7 @@ def measure_verifier_serving(target_dir: str, pool: list[list[int]], *, levels: 
     its blocking drafter calls too (the simulator times those from the drafter tables, scaled by
     the mean wait for one, ``draft_seconds``, over its own)."""
     config = StackConfig(target=target_dir, drafter=drafter_dir, drafters=1 if drafter_dir else 0, verifiers=1,
-                         trainer=False, pin=pin, max_num_seqs=max_num_seqs, mode=mode, **_ports())
+                         trainer=False, pin=pin, max_num_seqs=max_num_seqs, mode=mode, **stack_ports())
     out: dict[str, list] = {"concurrency": [], "requests": [], "rows": [], "passes": [], "target_seconds": [],
                             "overhead_seconds": [], "tokens_per_s": [], "trace": []}
     if drafter_dir:

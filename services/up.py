@@ -39,7 +39,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -55,6 +54,7 @@ from services.common.config import ServiceConfig
 from services.common.server import open_channel, wait_healthy
 from specd.engine import EngineConfig, tau
 from specd.flags import default_of
+from specd.ports import free_port
 
 STABLE_SECONDS = 60.0
 """A service that ran this long before it exited was not crash-looping: its backoff starts over."""
@@ -65,10 +65,11 @@ _STOP_ORDER = {"verifier": 0, "plain": 0, "drafter": 1, "trainer": 2, "redis": 3
 """The tiers `Stack.stop` signals one after the other: drafters serve while verifiers drain."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def stack_ports(replicas: int = 8) -> dict[str, int]:
+    """`StackConfig`'s four base ports, each free together with every offset from it that a stack
+    of up to ``replicas`` services of each role uses (the defaults' layout in the module docstring)."""
+    return {"verifier_grpc_port": free_port(span=30 + replicas), "verifier_http_port": free_port(span=100 + replicas),
+            "drafter_port": free_port(span=replicas), "trainer_port": free_port()}
 
 
 @dataclass(kw_only=True)

@@ -67,7 +67,7 @@ from services.chaos.load import (
 from services.chaos.records import OK, FaultRecord, Ledger, Observations, Reference, RequestRecord
 from services.common.config import ServiceConfig
 from services.common.server import wait_healthy
-from services.up import Stack, StackConfig, StackError, free_port, zoo_model
+from services.up import Stack, StackConfig, StackError, stack_ports, zoo_model
 from specd.engine import autoregressive
 from specd.models.loading import load_model, read_config
 from specd.sampling import SamplingParams
@@ -100,8 +100,7 @@ def stack_config(settings: ChaosSettings, target: str, drafter: str, workdir: Pa
     return StackConfig(
         target=target, drafter=drafter, drafters=2, verifiers=1, trainer=True, restart=True, restart_delay=0.5,
         max_restart_delay=4.0, redis_appendonly=True, auth_token=TOKEN, workdir=str(workdir), drain_seconds=3.0,
-        verifier_http_port=free_port(), verifier_grpc_port=free_port(), drafter_port=free_port(),
-        trainer_port=free_port(), max_num_seqs=settings.max_num_seqs or max(16, settings.streams + 4),
+        **stack_ports(), max_num_seqs=settings.max_num_seqs or max(16, settings.streams + 4),
         verifier_args=["--drafter-timeout", str(DRAFTER_TIMEOUT)],
         drafter_args=["--metrics-port", "0", "--poll-seconds", "1"], trainer_args=TRAINER_ARGS,
         env={"SPECD_FAILPOINTS": f"{FAILPOINT}=sleep({FAILPOINT_SECONDS:g})",

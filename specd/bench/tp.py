@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -45,6 +44,7 @@ from specd.batch import ForwardBatch
 from specd.models import qwen3, qwen3_next, sparse
 from specd.models.loading import load_model, save_model
 from specd.parallel import tensor_parallel
+from specd.ports import free_port
 
 KINDS = {
     "qwen3": (qwen3.Qwen3ForCausalLM, qwen3.FLAVOURS["tiny"]),
@@ -128,12 +128,6 @@ def _rank(rank: int, port: int, directory: Path, settings: TPSettings) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def measure(settings: TPSettings) -> list[TPRow]:
     with tempfile.TemporaryDirectory(prefix="specd-bench-tp-") as tmp:
         directory = Path(tmp)
@@ -149,7 +143,7 @@ def measure(settings: TPSettings) -> list[TPRow]:
                 torch.set_num_threads(threads)
                 whole[kind][threads] = time_passes(model, settings)
         torch.set_num_threads(threads_before)
-        mp.start_processes(_rank, args=(_free_port(), directory, settings), nprocs=settings.world_size,
+        mp.start_processes(_rank, args=(free_port(), directory, settings), nprocs=settings.world_size,
                            join=True, start_method="spawn")
         sharded = torch.load(directory / "tp.pt")
     rows = []

@@ -19,7 +19,6 @@ import dataclasses
 import json
 import os
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
@@ -31,18 +30,13 @@ from specd.models.d3d import FLAVOURS as D3D_FLAVOURS
 from specd.models.d3d import D3DModel
 from specd.models.loading import save_model
 from specd.models.qwen3 import FLAVOURS, Qwen3ForCausalLM
+from specd.ports import free_port
 from specd.train import data_parallel
 from specd.train.data_parallel import DataParallelSpecOPD
 
 VOCAB = 256
 STEPS, STEPS_AT_2, BATCH = 6, 4, 4
 TIMEOUT_SECONDS = 150
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import torch
 from services.client import metrics
 from services.common.config import ServiceConfig
 from services.common.server import open_channel
-from services.up import Stack, StackConfig, free_port
+from services.up import Stack, StackConfig, stack_ports
 from specd._proto.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specd.data.tokenizer import save_tokenizer, train_tokenizer
 from specd.engine import autoregressive
@@ -56,8 +56,7 @@ def models(tmp_path_factory):
 
 def stack_config(models, **overrides) -> StackConfig:
     _, target, drafter, _ = models
-    defaults = dict(verifier_http_port=free_port(), verifier_grpc_port=free_port(), drafter_port=free_port(),
-                    trainer_port=free_port(), trainer=False, auth_token=TOKEN, block_size=4, max_num_seqs=8)
+    defaults = dict(**stack_ports(), trainer=False, auth_token=TOKEN, block_size=4, max_num_seqs=8)
     return StackConfig(target=target, drafter=drafter, **{**defaults, **overrides})
 
 

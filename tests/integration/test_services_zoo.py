@@ -13,7 +13,7 @@ import torch
 from services.client import metrics
 from services.common.config import ServiceConfig
 from services.common.server import open_channel
-from services.up import Stack, StackConfig, free_port
+from services.up import Stack, StackConfig, stack_ports
 from specd import zoo
 from specd._proto.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specd.data import load_tokenizer
@@ -43,8 +43,7 @@ def prompts():
 
 
 def config(paths, **overrides) -> StackConfig:
-    defaults = dict(verifier_http_port=free_port(), verifier_grpc_port=free_port(), drafter_port=free_port(),
-                    trainer_port=free_port(), trainer=False, block_size=8, max_num_seqs=8, pin=True)
+    defaults = dict(**stack_ports(), trainer=False, block_size=8, max_num_seqs=8, pin=True)
     return StackConfig(target=paths[0], drafter=paths[1], **{**defaults, **overrides})
 
 

@@ -124,8 +124,8 @@ def _drafter(method: str, target, num_seqs: int):
     if method == "ngram":
         return NgramDrafter(vocab_size=target.config.vocab_size)
     from specd.drafters.d3d import D3DDrafter
-    from specd.drafters.hybrid import LookupHybridDrafter
     from specd.drafters.dflash import DFlashDrafter
+    from specd.drafters.hybrid import LookupHybridDrafter
     from specd.models.d3d import D3DModel
     from specd.train.drafter import init_from_target
     from specd.zoo import shared_drafter_config

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -34,6 +33,7 @@ from specd.batch import ForwardBatch
 from specd.models import qwen3, qwen3_next, sparse
 from specd.models.loading import load_model, save_model
 from specd.parallel import tensor_parallel
+from specd.ports import free_port
 from specd.tree import TokenTree
 
 KINDS = ("qwen3", "qwen3_next", "sparse")
@@ -41,12 +41,6 @@ WORLD_SIZE = 2
 TIMEOUT_SECONDS = 120
 TOLERANCE = 1e-5
 PROMPTS = [[(37 * i + 11 * b + 5) % 500 for i in range(n)] for b, n in enumerate((6, 11, 3))]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def build(kind: str) -> torch.nn.Module:

@@ -27,10 +27,10 @@ import redis
 
 from services.client import stream_completion
 from services.common.config import ServiceConfig
-from services.common.server import open_channel, wait_healthy
 from services.common.failpoints import ENVIRONMENT as FAILPOINTS
 from services.common.failpoints import LOG_ENVIRONMENT as FAILPOINT_LOG
-from services.up import STOP_MARGIN_SECONDS, Stack, StackConfig, free_port
+from services.common.server import open_channel, wait_healthy
+from services.up import STOP_MARGIN_SECONDS, Stack, StackConfig, free_port, stack_ports
 from specd import zoo
 from specd._proto.v1 import drafter_pb2, drafter_pb2_grpc
 from specd.train.online import read_ledger
@@ -61,7 +61,9 @@ class Up:
 
     def __init__(self, paths, workdir: Path, *flags: str, drafters: int = 1, trainer: bool = False) -> None:
         self.drafters = drafters
-        self.http_port, self.grpc_port, self.drafter_port, self.trainer_port = (free_port() for _ in range(4))
+        ports = stack_ports()
+        self.http_port, self.grpc_port = ports["verifier_http_port"], ports["verifier_grpc_port"]
+        self.drafter_port, self.trainer_port = ports["drafter_port"], ports["trainer_port"]
         command = [sys.executable, "-m", "specd.cli", "up", "--target", paths[0], "--drafter", paths[1],
                    "--drafters", str(drafters), "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
                    "--drafter-port", str(self.drafter_port), "--trainer-port", str(self.trainer_port),
@@ -360,8 +362,7 @@ def test_a_trainer_killed_between_checkpoint_and_ack_in_the_stack_trains_each_tr
     log = tmp_path / "failpoints.jsonl"
     config = StackConfig(
         target=paths[0], drafter=paths[1], drafters=1, verifiers=1, trainer=True, restart=True, restart_delay=0.2,
-        verifier_http_port=free_port(), verifier_grpc_port=free_port(), drafter_port=free_port(),
-        trainer_port=free_port(), workdir=str(tmp_path / "stack"), drain_seconds=DRAIN,
+        **stack_ports(), workdir=str(tmp_path / "stack"), drain_seconds=DRAIN,
         env={FAILPOINTS: "trainer.after_checkpoint=sleep(3)", FAILPOINT_LOG: str(log)},
         # A checkpoint per trace, none held out (the gate never runs): every trace is acknowledged soon.
         trainer_args=["--batch-size", "1", "--steps-per-version", "1", "--heldout-every", str(10**9),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -11,13 +10,13 @@ from typing import Iterator
 
 import redis
 
+from specd.ports import free_port
+
 
 @contextlib.contextmanager
 def redis_server(directory: Path) -> Iterator[str]:
     """Start redis-server (nothing persisted) and yield its URL; stop it afterwards."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     process = subprocess.Popen(
         ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
          "--dir", str(directory)],

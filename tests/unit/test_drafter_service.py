@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -43,6 +42,7 @@ from specd.models.d3d import D3DModel
 from specd.models.loading import ModelLoadError, file_sha256, load_model, save_model
 from specd.models.qwen3 import FLAVOURS as QWEN3_FLAVOURS
 from specd.models.qwen3 import Qwen3ForCausalLM
+from specd.ports import free_port
 from specd.sampling import SamplingParams
 
 CONFIG = ServiceConfig()
@@ -227,9 +227,7 @@ def test_verifiers_with_one_sequence_each_do_not_all_pick_the_first_replica(chec
 
 
 def test_no_replica_at_construction_is_unavailable():
-    with socket.socket() as probe:  # a port nobody listens on
-        probe.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    address = f"127.0.0.1:{free_port()}"  # a port nobody listens on
     with pytest.raises(DrafterUnavailable, match=address):
         RemoteDrafters([address], CONFIG, timeout=5.0)
 

@@ -9,19 +9,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import transformers
+from hf_reference import assert_greedy_matches_generate
 from hypothesis import HealthCheck, given, settings
 from spawned import run_spawned
 from test_hybrid_trees import VOCAB as TREE_VOCAB
 from test_hybrid_trees import batches, check_tree_exactness
-
-from hf_reference import assert_greedy_matches_generate
 
 from specd.batch import ForwardBatch
 from specd.drafters.ngram import NgramDrafter
@@ -29,6 +27,7 @@ from specd.engine import EngineConfig, SpeculativeEngine, autoregressive
 from specd.models.llama import FLAVOURS, LlamaConfig, LlamaForCausalLM
 from specd.models.loading import ModelLoadError, load_model, save_model
 from specd.parallel import tensor_parallel
+from specd.ports import free_port
 from specd.sampling import SamplingParams
 from specd.tree import TokenTree
 
@@ -260,10 +259,7 @@ def test_two_tensor_parallel_ranks_give_the_one_process_logits(tmp_path):
     """Biases on every projection: a row-parallel bias must be added once, after the all-reduce."""
     model = debug_model(attention_bias=True, mlp_bias=True)
     save_model(model, tmp_path)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    run_spawned(tp_worker, (port, tmp_path), WORLD_SIZE, 120, f"{WORLD_SIZE} tensor-parallel Llama ranks")
+    run_spawned(tp_worker, (free_port(), tmp_path), WORLD_SIZE, 120, f"{WORLD_SIZE} tensor-parallel Llama ranks")
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
     whole = tp_scenario(load_model(tmp_path))
     worst = max((got - expected).abs().max().item() for got, expected in zip(ranks[0]["logits"], whole))

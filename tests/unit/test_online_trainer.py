@@ -15,7 +15,6 @@ import copy
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -43,6 +42,7 @@ from specd.models.d3d import FLAVOURS as D3D_FLAVOURS
 from specd.models.d3d import D3DModel
 from specd.models.loading import file_sha256, load_model, save_model
 from specd.models.qwen3 import FLAVOURS, Qwen3ForCausalLM
+from specd.ports import free_port
 from specd.train.online import (
     LedgerEntry,
     OnlineConfig,
@@ -57,12 +57,6 @@ from specd.train.specopd import SpecOPDConfig, SpecOPDTrainer
 
 VOCAB = FLAVOURS["debug"].vocab_size
 HELDOUT_EVERY = 4
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ scores chunk by chunk, releasing the engine's lock between chunks, with the numb
 from __future__ import annotations
 
 import copy
-import socket
 import threading
 import time
 
@@ -28,6 +27,7 @@ from specd._proto.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specd.models.d3d import FLAVOURS as D3D_FLAVOURS
 from specd.models.d3d import D3DModel
 from specd.models.qwen3 import FLAVOURS, Qwen3ForCausalLM
+from specd.ports import free_port
 from specd.train.specopd import (
     LocalScorer,
     SpecOPDConfig,
@@ -113,12 +113,6 @@ def proposal_trees(drafter) -> tuple[list[list[int]], list, list[list[int]]]:
 def remote(address: str | list[str], top_k: int = 0, **kwargs) -> RemoteScorer:
     addresses = [address] if isinstance(address, str) else address
     return RemoteScorer(addresses, ServiceConfig(deadline_seconds=10), top_k, vocab_size=VOCAB, **kwargs)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_remote_full_distributions_equal_local(target, drafter, verifier):
