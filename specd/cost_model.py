@@ -230,6 +230,8 @@ class CostModel:
     drafted so and verified nothing is scored as a plain step (`observe_step`)."""
     drafting_seconds: dict[int, float] = field(default_factory=dict)
     """Batch bucket -> seconds of a step's blocking draft (EMA)."""
+    drafting_per_seq: dict[int, float] = field(default_factory=dict)
+    """Batch bucket -> seconds a blocking draft costs per sequence drafted for (EMA)."""
 
     @staticmethod
     def _bucket(num_seqs: int) -> int:
@@ -248,11 +250,41 @@ class CostModel:
         arm = speculative and (verified or not self.drafting_is_free(num_seqs))
         self.speculate_duels.setdefault(self._bucket(num_seqs), _Duel()).observe(arm, tokens, seconds)
 
-    def observe_drafting(self, num_seqs: int, seconds: float) -> None:
-        """A step waited ``seconds`` for its blocking draft (every sequence's, together)."""
+    def observe_drafting(self, num_seqs: int, seconds: float, drafted: int | None = None) -> None:
+        """A step at batch ``num_seqs`` waited ``seconds`` for its blocking draft, for ``drafted``
+        of its sequences together (default: all of them)."""
         bucket = self._bucket(num_seqs)
         last = self.drafting_seconds.get(bucket)
         self.drafting_seconds[bucket] = seconds if last is None else 0.8 * last + 0.2 * seconds
+        per_seq = seconds / max(1, num_seqs if drafted is None else drafted)
+        last = self.drafting_per_seq.get(bucket)
+        self.drafting_per_seq[bucket] = per_seq if last is None else 0.8 * last + 0.2 * per_seq
+
+    def worth_drafting(self, num_seqs: int, gain: float | None, skipped: int) -> bool:
+        """Whether a blocking draft for one sequence of a step at batch ``num_seqs`` pays for
+        itself: the drafted tokens the target accepted from it per drafted step (``gain``) save
+        a ``1/num_seqs`` share of a plain pass each, against the draft's measured cost per
+        sequence. A step of 16 rows on a CPU drafts for the rows whose drafts the target takes
+        (code, repeated text) and decodes the others plain, instead of all rows or none.
+        Yes while either is unmeasured, where drafting is free (`drafting_is_free`), and after
+        ``explore_every`` skipped steps (a sequence's text changes: an answer turns to code)."""
+        if gain is None or not self.prices_drafting(num_seqs) or skipped >= self.explore_every:
+            return True
+        if self.drafting_is_free(num_seqs):
+            return True
+        return gain * self.pass_cost(num_seqs, 1) / num_seqs > self.drafting_per_seq[self._bucket(num_seqs)]
+
+    def prices_drafting(self, num_seqs: int) -> bool:
+        """Whether `worth_drafting` weighs measured figures at this batch: a draft's cost per
+        sequence and a plain pass's (not the prior slope's guess, which can be off by 2x)."""
+        bucket = self._bucket(num_seqs)
+        return bucket in self.drafting_per_seq and bucket in self.plain_passes
+
+    def needs_plain_pass(self, num_seqs: int) -> bool:
+        """Whether drafting at this batch was timed and a plain pass not yet: the engine then runs
+        a plain step (the baseline, nothing lost) so that `worth_drafting` can weigh drafts."""
+        bucket = self._bucket(num_seqs)
+        return bucket in self.drafting_per_seq and bucket not in self.plain_passes
 
     def drafting_is_free(self, num_seqs: int) -> bool:
         """Whether a blocking draft at this batch costs at most ``free_drafting`` of a plain pass.

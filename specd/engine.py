@@ -318,6 +318,7 @@ class SpeculativeEngine:
         self._last_speculative: bool | None = None  # how the last step ran
         self._last_overlap: bool | None = None  # (None: plain)
         self._overlap_explored = False  # this step tried the losing way to speculate
+        self._gain_explored = False  # this step drafted for a sequence whose drafts were never verified
         self._pool = None
         if self.config.mode == "async":
             shared = self.config.async_target_threads
@@ -379,6 +380,7 @@ class SpeculativeEngine:
         prefill = any(len(s.context) - s.cached > 1 for s in running)
         self._unpark_drafter()
         speculative = self._speculates(len(running))
+        self._gain_explored = False
         if speculative:
             self._ensure_blocks(running)
             lengths = self._verify_lengths(running)
@@ -418,6 +420,15 @@ class SpeculativeEngine:
                                      self._last_hidden[seq.row, :committed])
             self._emit(seq, block[: result.num_accepted] + [result.next_token])
             seq.generation.accepted_lengths.append(result.num_accepted)
+            if seq.block is not None:  # what drafting for it delivered (`CostModel.worth_drafting`)
+                observed = float(result.num_accepted)
+                drafted = len(seq.block.tokens)
+                if result.num_accepted == len(block) < drafted:
+                    # Cut short by the cost model, not by the target: worth what the calibration
+                    # expects of the whole block (early on, before it is learnt, a step verifies little).
+                    observed = max(observed, self.cost_model.expected_accepted(list(seq.block.confidence), drafted))
+                gain = seq.draft_gain
+                seq.draft_gain = observed if gain is None else 0.7 * gain + 0.3 * observed
             self.stats.count_block(len(block), result.num_accepted)
             if seq.block is not None and block:
                 verified = list(seq.block.confidence[: len(block)])
@@ -443,8 +454,9 @@ class SpeculativeEngine:
             # Steady-state steps only: a step's cost depends on how the one before it ran (the
             # first speculative step after plain ones drafts blocking, catching up on the context).
             tokens, seconds = self.stats.num_emitted_tokens - emitted_before, time.perf_counter() - began
-            # (Nor a step that tried the losing way to speculate: it measures that way.)
-            if speculative == self._last_speculative and not self._overlap_explored:
+            # (Nor a step that tried the losing way to speculate: it measures that way; nor one that
+            # drafted for sequences not yet known to be worth it: `_ensure_blocks` soon skips some.)
+            if speculative == self._last_speculative and not self._overlap_explored and not self._gain_explored:
                 self.cost_model.observe_step(len(running), speculative, tokens, seconds, verified=any(lengths))
             if speculative and self._last_overlap == overlap:
                 self.cost_model.observe_overlap(len(running), overlap, tokens, seconds)
@@ -455,7 +467,11 @@ class SpeculativeEngine:
         whole speculative and plain steps delivered at this batch, finds plain steps faster."""
         if self.drafter is None or self.config.block_size == 0:
             return False
-        return not self.config.adaptive_block or self.cost_model.should_speculate(num_seqs)
+        if not self.config.adaptive_block:
+            return True
+        if num_seqs > 1 and self.cost_model.needs_plain_pass(num_seqs):
+            return False  # a plain pass prices what a sequence's draft saves (`_ensure_blocks`)
+        return self.cost_model.should_speculate(num_seqs)
 
     def _overlaps(self, num_seqs: int) -> bool:
         """A speculative step in async mode: whether the drafter drafts the next block's
@@ -474,10 +490,28 @@ class SpeculativeEngine:
         return self.drafter is not None and self.drafter.needs_target_hidden
 
     def _ensure_blocks(self, running: list[RunningSequence]) -> None:
-        """A fresh block for every running sequence that has none (first step, or a miss)."""
+        """A fresh block for every running sequence that has none (first step, or a miss) and,
+        with the adaptive block at batch > 1, whose drafts have paid for their cost
+        (`CostModel.worth_drafting`): the others decode plain this step."""
         need = [s for s in running if s.block is None]
         if self.drafter is None or not need or self.config.block_size == 0:
             return
+        if self.config.adaptive_block and len(running) > 1:
+            wanted = []
+            # A step that drafts before the cost model can weigh drafts, or to look again at
+            # sequences whose drafts did not pay, is no measure of what speculating delivers.
+            explore_every = self.cost_model.explore_every
+            self._gain_explored = (not self.cost_model.prices_drafting(len(running)) or any(
+                seq.draft_gain is None or seq.draft_skipped >= explore_every for seq in need))
+            for seq in need:
+                if self.cost_model.worth_drafting(len(running), seq.draft_gain, seq.draft_skipped):
+                    seq.draft_skipped = 0
+                    wanted.append(seq)
+                else:
+                    seq.draft_skipped += 1
+            need = wanted
+            if not need:
+                return
         requests = [
             DraftRequest(seq_id=s.seq_id, context=s.context, block_size=self._draft_size(), params=s.params)
             for s in need
@@ -492,7 +526,7 @@ class SpeculativeEngine:
             self.stats.seconds_drafter_blocking += time.perf_counter() - start
             self.stats.num_drafter_calls += 1
             self.stats.num_drafter_blocking_calls += 1
-        self.cost_model.observe_drafting(len(running), time.perf_counter() - start)
+        self.cost_model.observe_drafting(len(running), time.perf_counter() - start, len(need))
         for seq, block in zip(need, blocks):
             seq.block = block
 

@@ -80,6 +80,12 @@ class RunningSequence:
     block: DraftBlock | None = None
     """The drafted block the next step verifies (None: it needs a fresh one, or decodes plain)."""
     generation: Generation = field(default_factory=Generation)
+    draft_gain: float | None = None
+    """Drafted tokens the target accepted per step in which this sequence had a drafted block
+    (exponentially weighted; None before its first): what drafting for it is worth
+    (`CostModel.worth_drafting`)."""
+    draft_skipped: int = 0
+    """Steps in a row that did not draft for it because drafting did not pay."""
     done: bool = False
     """It stopped (stop token, max_tokens, its own error, or cancelled): the scheduler finishes it."""
 
