@@ -275,6 +275,11 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
         settings.max_tokens = args.max_tokens
     if args.prompts_per_domain is not None:
         settings.prompts_per_domain = args.prompts_per_domain
+    if args.domains:
+        settings.domains = tuple(args.domains.split(","))
+        unknown = sorted(set(settings.domains) - set(DOMAINS))
+        if unknown:
+            raise UsageError(f"unknown --domains {','.join(unknown)}: choose from {','.join(DOMAINS)}")
     if args.temperatures is not None:
         settings.temperatures = tuple(float(t) for t in args.temperatures.split(","))
     if args.batch_sizes is not None:
@@ -473,6 +478,7 @@ def parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     decode.add_argument("--target", default="qwen3-tiny", help="zoo target: qwen3-tiny, or smollm2-135m (its drafters are built on first use)")
     decode.add_argument("--max-tokens", type=int, help="new tokens per prompt")
     decode.add_argument("--prompts-per-domain", type=int, help="held-out prompts of each of the four domains")
+    decode.add_argument("--domains", help="comma-separated subset of the domains, e.g. agentic or code,math (default: all four)")
     decode.add_argument("--temperatures", help="comma-separated, e.g. 0 or 0,1")
     decode.add_argument("--batch-sizes", help="comma-separated, e.g. 1,4 (the first is the summary's)")
     decode.add_argument("--block-sizes", help="comma-separated draft blocks, e.g. 4,8")

@@ -79,3 +79,10 @@ def test_console_script_reports_errors_without_traceback(tmp_path):
         capture_output=True, text=True,
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "does not exist" in proc.stderr
+
+
+@pytest.mark.parametrize("flag, value, message", [("--domains", "code,poetry", "unknown --domains poetry"),
+                                                  ("--methods", "ar,magic", "unknown --methods magic")])
+def test_bench_decode_refuses_an_unknown_domain_or_method(capsys, flag, value, message):
+    status, _, err = run(["bench", "decode", flag, value, "--out", "/nonexistent"], capsys)
+    assert status == 2 and message in err and "Traceback" not in err
