@@ -48,6 +48,7 @@ import math
 import os
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -57,7 +58,6 @@ import grpc
 import prometheus_client
 import redis
 import torch
-import torch.distributed as dist
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from services.common.broadcast import (
@@ -79,6 +79,7 @@ from services.trainer.stream import Entry, TraceStream
 from specd._proto.v1 import trainer_pb2, trainer_pb2_grpc
 from specd.models.d3d import D3DModel
 from specd.models.loading import ModelLoadError, load_model
+from specd.train.data_parallel import exit_job
 from specd.train.online import GateDecision, OnlineConfig, OnlineLearner, Published, Trace
 from specd.train.online_parallel import Leader, ParallelOnlineLearner
 from specd.train.specopd import LocalScorer, SpecOPDConfig, TreeScorer
@@ -550,9 +551,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise SystemExit(f"trainer: {error}") from None
         config = dataclasses.replace(config, device=str(ranks.device))
         if not ranks.is_main:  # no server, no Redis: this rank applies rank 0's commands
-            code = run_follower(config.drafter, ranks)
-            dist.destroy_process_group()
-            raise SystemExit(code)
+            exit_job(run_follower(config.drafter, ranks))
         leader = Leader(ranks)
     servicer = TrainerServicer()
     server = GrpcServer("specd-trainer", config)
@@ -601,7 +600,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     service.stop()
     thread.join()
     service.learner.close()  # after the last save and its acknowledgements: the other ranks may go
-    if leader is not None and leader.state == "closed":
-        dist.destroy_process_group()
-    if failure:
-        raise SystemExit(f"trainer: the training loop failed: {failure[0]!r}")
+    message = f"trainer: the training loop failed: {failure[0]!r}" if failure else ""
+    if leader is not None:
+        if message:
+            print(message, file=sys.stderr)
+        exit_job(1 if message else 0, destroy=leader.state == "closed")
+    if message:
+        raise SystemExit(message)
