@@ -555,11 +555,15 @@ class SpeculativeEngine:
     def _speculate_async(self, running: list[RunningSequence], blocks: list[list[int]]):
         """The drafter's candidate pass for the next blocks, on the pool's thread (called where
         `_overlaps` said yes: there is a pool and a drafter that speculates)."""
+        selective = self.config.adaptive_block and len(running) > 1
         requests = [
             SpeculateRequest(
                 # The context itself, not a copy: nothing appends to it before `_join` returns.
                 seq_id=s.seq_id, context=s.context, block=block, block_size=self._draft_size(),
-                budget=self._budget, params=s.params,
+                # No candidates for a sequence whose drafts do not pay (`_ensure_blocks`).
+                budget=self._budget if not selective or self.cost_model.worth_drafting(
+                    len(running), s.draft_gain, s.draft_skipped) else 0,
+                params=s.params,
             )
             for s, block in zip(running, blocks)
         ]
