@@ -500,12 +500,15 @@ class SpeculativeEngine:
             wanted = []
             # A step that drafts before the cost model can weigh drafts, or to look again at
             # sequences whose drafts did not pay, is no measure of what speculating delivers.
-            explore_every = self.cost_model.explore_every
-            self._gain_explored = (not self.cost_model.prices_drafting(len(running)) or any(
-                seq.draft_gain is None or seq.draft_skipped >= explore_every for seq in need))
+            self._gain_explored = not self.cost_model.prices_drafting(len(running))
             for seq in need:
-                if self.cost_model.worth_drafting(len(running), seq.draft_gain, seq.draft_skipped):
-                    seq.draft_skipped = 0
+                if self.cost_model.worth_drafting(len(running), seq.draft_gain):
+                    self._gain_explored |= seq.draft_gain is None
+                    seq.draft_skipped, seq.draft_looks = 0, 0
+                    wanted.append(seq)
+                elif seq.draft_skipped >= self.cost_model.look_after(seq.draft_looks):
+                    self._gain_explored = True  # a look: its text may have changed (an answer turns to code)
+                    seq.draft_skipped, seq.draft_looks = 0, seq.draft_looks + 1
                     wanted.append(seq)
                 else:
                     seq.draft_skipped += 1
@@ -561,8 +564,7 @@ class SpeculativeEngine:
                 # The context itself, not a copy: nothing appends to it before `_join` returns.
                 seq_id=s.seq_id, context=s.context, block=block, block_size=self._draft_size(),
                 # No candidates for a sequence whose drafts do not pay (`_ensure_blocks`).
-                budget=self._budget if not selective or self.cost_model.worth_drafting(
-                    len(running), s.draft_gain, s.draft_skipped) else 0,
+                budget=self._budget if not selective or self.cost_model.worth_drafting(len(running), s.draft_gain) else 0,
                 params=s.params,
             )
             for s, block in zip(running, blocks)

@@ -86,6 +86,8 @@ class RunningSequence:
     (`CostModel.worth_drafting`)."""
     draft_skipped: int = 0
     """Steps in a row that did not draft for it because drafting did not pay."""
+    draft_looks: int = 0
+    """Drafts since its drafts last paid, each after skipped steps (`CostModel.look_after`)."""
     done: bool = False
     """It stopped (stop token, max_tokens, its own error, or cancelled): the scheduler finishes it."""
 

@@ -322,7 +322,7 @@ def test_the_engine_drafts_for_the_sequences_whose_drafts_pay():
     """Batch 8, a drafter that costs 3 ms per sequence and is right for half of them, passes of
     ~12 ms: drafting for every row (24 ms) costs what it saves, drafting for the right half only
     pays (24 tokens in ~25 ms against 8 in 12). The engine drafts for the right half most of the
-    time, and for the wrong half only to look again now and then. Output is plain greedy output."""
+    time, and for the wrong half only to look again, ever more rarely. Output is plain greedy output."""
     target, batch, params, expected, references = _greedy_case(num_seqs=8, max_tokens=96)
     drafter = _HalfRight(references, delay=0.003)
     engine = _SlowPasses(target, drafter, EngineConfig(max_num_seqs=8, block_size=4, mode="sync"))
@@ -331,3 +331,9 @@ def test_the_engine_drafts_for_the_sequences_whose_drafts_pay():
     share = [drafted / len(g.accepted_lengths) for drafted, g in zip(drafter.drafts, got)]
     right, wrong = share[0::2], share[1::2]
     assert min(right) > 0.6 and max(wrong) < 0.25, share
+
+
+def test_looks_at_drafts_that_do_not_pay_grow_rarer_up_to_the_cap():
+    model = CostModel(explore_every=16, max_explore_every=128)
+    assert [model.look_after(looks) for looks in range(6)] == [16, 32, 64, 128, 128, 128]
+    assert model.look_after(10_000) == 128
