@@ -37,6 +37,13 @@ steady-state steps are compared). Nothing there is a constant of a machine: on a
 a plain step wins and speculation turns itself off; at batch 1, or where passes are flat, it
 stays on.
 
+Within a speculative step at batch > 1, each sequence is drafted for only while its own drafts
+pay (`worth_drafting`): the tokens the target accepted from them per drafted step, each worth a
+``1/n`` share of a plain pass, against a draft's measured cost per sequence. The others decode
+plain in the same pass and are looked at again after ``explore_every``, then twice as many,
+skipped steps (`look_after`). At batch 16 on a CPU a drafter right for a few sequences (code,
+repeated text) is then used there, where all-or-none drafting turned it off for every one.
+
 In async mode a speculative step asks one more question the same way (`should_overlap`): draft
 the next block's candidates during verification, the two passes sharing the cores, or after it
 as sync mode does, the target on all of them. On a GPU, or a CPU whose one thread runs a pass
