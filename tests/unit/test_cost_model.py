@@ -325,7 +325,8 @@ def test_the_engine_drafts_for_the_sequences_whose_drafts_pay():
     time, and for the wrong half only to look again, ever more rarely. Output is plain greedy output."""
     target, batch, params, expected, references = _greedy_case(num_seqs=8, max_tokens=96)
     drafter = _HalfRight(references, delay=0.003)
-    engine = _SlowPasses(target, drafter, EngineConfig(max_num_seqs=8, block_size=4, mode="sync"))
+    config = EngineConfig(max_num_seqs=8, block_size=4, mode="sync", selective_drafting=True)
+    engine = _SlowPasses(target, drafter, config)
     got = engine.generate(batch, params)
     assert [g.token_ids for g in got] == [e.token_ids for e in expected]
     share = [drafted / len(g.accepted_lengths) for drafted, g in zip(drafter.drafts, got)]

@@ -84,7 +84,7 @@ VERIFIER_FLAGS = {
     "host", "port", "metrics-port", "auth-token", "tls-cert", "tls-key", "tls-ca", "otlp-endpoint", "drain-seconds",
     "deadline-seconds", "log-level", "model", "tokenizer", "served-model-name", "drafters", "http-host", "http-port",
     "max-num-seqs", "max-waiting", "max-request-bytes", "max-model-len", "block-size", "mode", "candidate-budget",
-    "adaptive-block", "draft-headroom", "drafter-timeout", "drafter-retry-seconds", "redis-url", "trace-stream",
+    "adaptive-block", "selective-drafting", "draft-headroom", "drafter-timeout", "drafter-retry-seconds", "redis-url", "trace-stream",
     "trace-maxlen", "threads", "device", "attention-backend", "cuda-graphs", "tensor-parallel",
     "async-target-threads",
 }
@@ -93,7 +93,7 @@ VERIFIER_FLAGS = {
 def test_the_verifier_keeps_its_flags_and_its_engine_defaults():
     parser = _parser(VerifierConfig, env={})
     flags = {option[2:] for action in parser._actions for option in action.option_strings if option != "-h"}
-    assert flags - {"help"} == VERIFIER_FLAGS | {"no-adaptive-block", "no-cuda-graphs"}
+    assert flags - {"help"} == VERIFIER_FLAGS | {"no-adaptive-block", "no-selective-drafting", "no-cuda-graphs"}
     config = parse_config(VerifierConfig, ["--model", "m"], {})
     # What main() passed to the engine before: the library's defaults but a 2 s drafter retry,
     # and draft_headroom 0 meaning None (full blocks).
