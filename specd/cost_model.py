@@ -37,7 +37,8 @@ steady-state steps are compared). Nothing there is a constant of a machine: on a
 a plain step wins and speculation turns itself off; at batch 1, or where passes are flat, it
 stays on.
 
-Within a speculative step at batch > 1, each sequence is drafted for only while its own drafts
+With `EngineConfig.selective_drafting` (off by default: not faster where measured, see the
+README), within a speculative step at batch > 1 each sequence is drafted for only while its own drafts
 pay (`worth_drafting`): the tokens the target accepted from them per drafted step, each worth a
 ``1/n`` share of a plain pass, against a draft's measured cost per sequence. The others decode
 plain in the same pass and are looked at again after ``explore_every``, then twice as many,

@@ -141,8 +141,9 @@ class EngineConfig:
     """With ``adaptive_block``, at batch > 1: draft for a sequence only while its drafts pay
     (`CostModel.worth_drafting`), the others decoding plain in the same pass. Off by default, as
     measured on SmolLM2 (2-core Xeon): at batch 16 D3D sync went 0.935x/0.954x -> 0.948x/0.944x
-    plain (noise), and at batch 4 D3D + prompt lookup fell from 1.21x to 1.04x, its bursty
-    matches missed while a row waited for its next look."""
+    plain (noise), and at batch 4 D3D + prompt lookup ran 1.04x with it against 1.21x/1.09x
+    before and 1.10x with it off (bursty lookup matches are missed while a row waits for its
+    next look)."""
     drafter_retry_seconds: float | None = field(default=None, metadata={
         "help": "pause before retrying a failed drafter (none = never again)"})
     """After the drafter fails: decode plain for this long, then try it again (None = never again,
