@@ -428,7 +428,7 @@ class SpeculativeEngine:
                                      self._last_hidden[seq.row, :committed])
             self._emit(seq, block[: result.num_accepted] + [result.next_token])
             seq.generation.accepted_lengths.append(result.num_accepted)
-            if seq.block is not None:  # what drafting for it delivered (`CostModel.worth_drafting`)
+            if seq.block is not None and self._selective(len(running)):  # what drafting delivered
                 observed = float(result.num_accepted)
                 drafted = len(seq.block.tokens)
                 if result.num_accepted == len(block) < drafted:
