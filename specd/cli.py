@@ -45,6 +45,7 @@ from specd import precision, zoo
 from specd.bench import opd as bench_opd
 from specd.bench import gpu as bench_gpu
 from specd.bench import profile as bench_profile
+from specd.bench import recipe as bench_recipe
 from specd.bench import tp as bench_tp
 from specd.bench import trees as bench_trees
 from specd.bench.decode import METHODS, DecodeSettings
@@ -503,6 +504,8 @@ def parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     opd_bench = bench.add_parser("opd", help="SpecOPD vs sequential OPD vs offline distillation on the zoo, same run")
     bench_opd.add_arguments(opd_bench)
     opd_bench.set_defaults(func=bench_opd.run)
+    add(bench, "bench.recipe", "a drafter recipe's held-out block acceptance per learning rate and first layers, same run",
+        bench_recipe.add_arguments, bench_recipe.run)
     add(bench, "bench.profile", "pass costs of the target and D3D drafter, acceptance and hit rate (JSON for specd plan)",
         bench_profile.add_arguments, bench_profile.run)
     gpu_bench = bench.add_parser("gpu", help="on one GPU: kernels vs references, NCCL, Qwen3-8B-shaped pass costs, projected speedup")

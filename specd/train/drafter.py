@@ -298,6 +298,64 @@ def train_drafter(
 
 
 @torch.no_grad()
+def drafted_blocks(model: D3DModel, sequences: list[list[int]], anchors: list[list[int]], block: int, *,
+                   bf16: bool = False, rows: int = 16) -> Tensor:
+    """The greedy block ``[num_anchors, block]`` a D3D drafter drafts at each anchor of each
+    sequence, in order: anchor ``a`` drafts tokens ``a .. a + block - 1`` from ``sequence[:a]``
+    (``1 <= a <= len(sequence) - block``).
+
+    One packed pass per ``rows`` sequences (`denoising_batch`) drafts every anchor's block, the
+    first token from the AR head at the anchor's parent and the rest from the mask group, as
+    `D3DDrafter.draft` drafts them (a test holds the two equal), without the engine. D3D only:
+    the DFlash-style drafter needs target states."""
+    if model.config.target_hidden_size:
+        raise ValueError("drafted_blocks runs D3D drafters (the DFlash-style one reads target states)")
+    group = model.config.group_size_for(block)
+    was_training = model.training
+    model.eval()
+    out = []
+    for start in range(0, len(sequences), rows):
+        chunk, chunk_anchors = sequences[start : start + rows], anchors[start : start + rows]
+        per_seq = max(len(a) for a in chunk_anchors)
+        width = max(len(s) for s in chunk)
+        tokens = torch.zeros(len(chunk), width, dtype=torch.long)
+        anchor_grid = torch.ones(len(chunk), per_seq, dtype=torch.long)
+        real = torch.zeros(len(chunk), per_seq, dtype=torch.bool)
+        for row, (seq, seq_anchors) in enumerate(zip(chunk, chunk_anchors)):
+            if any(not 1 <= a <= len(seq) - block for a in seq_anchors):
+                raise ValueError(f"anchors must lie in [1, len(sequence) - block = {len(seq) - block}]: {seq_anchors}")
+            tokens[row, : len(seq)] = torch.tensor(seq)
+            anchor_grid[row, : len(seq_anchors)] = torch.tensor(seq_anchors, dtype=torch.long)
+            real[row, : len(seq_anchors)] = True
+        lengths = torch.tensor([len(s) for s in chunk])
+        batch, _ = denoising_batch(tokens, lengths, anchor_grid, group, model.config.mask_token_id)
+        with cpu_autocast(bf16):
+            hidden = model.hidden_states(batch)
+        group_hidden = hidden[:, width:].view(len(chunk), per_seq, group, -1)[:, :, :block]
+        drafted = model.lm_head(group_hidden.float()).argmax(-1)  # [rows, per_seq, block]
+        parents = hidden[torch.arange(len(chunk))[:, None], anchor_grid - 1]
+        drafted[:, :, 0] = model.ar_head(parents.float()).argmax(-1)
+        out.append(drafted[real])
+    model.train(was_training)
+    return torch.cat(out) if out else torch.zeros(0, block, dtype=torch.long)
+
+
+def block_acceptance(model: D3DModel, sequences: list[list[int]], anchors: list[list[int]], block: int, *,
+                     bf16: bool = False) -> tuple[Tensor, int]:
+    """Greedy acceptance per block position of the blocks `drafted_blocks` drafts, against the
+    sequences' own next tokens: ``(counts [block], blocks)``, where ``counts[i]`` is how many
+    blocks had their first ``i + 1`` drafted tokens all equal to the sequence's.
+
+    When a sequence is the target's greedy continuation of its prompt, that is what greedy
+    verification accepts, so ``1 + counts.sum() / blocks`` is τ at a fixed block, measured
+    without the engine or the target."""
+    drafted = drafted_blocks(model, sequences, anchors, block, bf16=bf16)
+    truth = torch.tensor([seq[a : a + block] for seq, seq_anchors in zip(sequences, anchors) for a in seq_anchors],
+                         dtype=torch.long).view(-1, block)
+    return (drafted == truth).long().cumprod(-1).sum(0), len(truth)
+
+
+@torch.no_grad()
 def _target_hidden(target: nn.Module, tokens: Tensor, total: int) -> Tensor:
     """Target final hidden states at trunk positions, zero at group columns."""
     num_seqs, seq_len = tokens.shape

@@ -86,3 +86,14 @@ def test_console_script_reports_errors_without_traceback(tmp_path):
 def test_bench_decode_refuses_an_unknown_domain_or_method(capsys, flag, value, message):
     status, _, err = run(["bench", "decode", flag, value, "--out", "/nonexistent"], capsys)
     assert status == 2 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--target", "qwen3-tiny"], "not 'qwen3-tiny'"),
+    (["--lrs", "fast"], "--lrs"),
+    (["--layers", "0-x"], "--layers"),
+])
+def test_bench_recipe_refuses_what_it_cannot_train(capsys, args, message):
+    """Refused before anything is built or trained, with what to pass instead."""
+    status, _, err = run(["bench", "recipe", *args, "--out", "/nonexistent"], capsys)
+    assert status == 2 and message in err and "Traceback" not in err

@@ -7,13 +7,21 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specd.drafters.base import DraftRequest
 from specd.drafters.d3d import D3DDrafter
 from specd.engine import EngineConfig, SpeculativeEngine, autoregressive
 from specd.models.d3d import D3DModel
 from specd.models.llama import FLAVOURS, LlamaForCausalLM
 from specd.models.loading import load_model, save_model
 from specd.sampling import SamplingParams
-from specd.train.drafter import DrafterTrainConfig, draft_vocabulary, init_from_target, train_drafter
+from specd.train.drafter import (
+    DrafterTrainConfig,
+    block_acceptance,
+    draft_vocabulary,
+    drafted_blocks,
+    init_from_target,
+    train_drafter,
+)
 from specd.zoo import shared_drafter_config
 
 VOCAB = FLAVOURS["debug"].vocab_size
@@ -167,3 +175,37 @@ def test_distillation_needs_the_target(target, tmp_path):
     config = DrafterTrainConfig(steps=1, batch_size=1, seq_len=16, groups_per_seq=1, bf16=False, distill=True)
     with pytest.raises(ValueError, match="pass target"):
         train_drafter(drafter, [list(range(3, 30))], [5], config, tmp_path / "work", pad_id=0)
+
+
+@pytest.mark.parametrize("block", [4, 8])
+def test_packed_blocks_are_the_blocks_the_drafter_serves(target, block):
+    """`drafted_blocks` (one packed training-style pass, no engine) drafts at every anchor exactly
+    the greedy block `D3DDrafter.draft` returns for the context before it."""
+    drafter = shared_drafter(target, list(range(DRAFT_VOCAB)))
+    sequences = [p + p + p for p in prompts(5)]
+    generator = torch.Generator().manual_seed(3)
+    anchors = [sorted(torch.randint(1, len(s) - block + 1, (3,), generator=generator).tolist()) for s in sequences]
+    packed = drafted_blocks(drafter, sequences, anchors, block, rows=2)
+    served = D3DDrafter(drafter, max_num_seqs=1)
+    greedy = SamplingParams(max_tokens=block, temperature=0.0)
+    expected = []
+    for seq, seq_anchors in zip(sequences, anchors):
+        for a in seq_anchors:
+            expected.append(served.draft([DraftRequest(seq_id=0, context=seq[:a], block_size=block, params=greedy)])[0].tokens)
+            served.release(0)
+    assert packed.tolist() == expected
+
+
+def test_block_acceptance_counts_the_matched_prefix_of_each_block(target):
+    """Continuations built to match a drafted block for exactly m tokens count m accepted."""
+    drafter = shared_drafter(target, list(range(DRAFT_VOCAB)))
+    block, contexts = 4, prompts(6)
+    drafted = drafted_blocks(drafter, [c + [3] * block for c in contexts], [[len(c)] for c in contexts], block)
+    matched = [0, 1, 2, 4, 3, 1]
+    sequences = []
+    for context, draft, m in zip(contexts, drafted.tolist(), matched):
+        tail = draft[:m] + ([(draft[m] + 1) % DRAFT_VOCAB] if m < block else [])
+        sequences.append(context + tail + [5] * (block - len(tail)))
+    counts, blocks = block_acceptance(drafter, sequences, [[len(c)] for c in contexts], block)
+    assert blocks == len(contexts)
+    assert counts.tolist() == [sum(m > i for m in matched) for i in range(block)]

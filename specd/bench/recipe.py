@@ -1,0 +1,177 @@
+"""`specd bench recipe`: which training recipe drafts furthest, before a 20-minute drafter build.
+
+A SmolLM2 drafter build trains ~20 minutes on two cores, and the engine's τ needs one built;
+this bench asks the cheaper question first, same run: at a short budget, how far does the zoo's
+recipe draft with each learning rate (and start from which of the target's layers)?
+
+The target's own responses (the zoo step ``responses-<target>``) are split by index: every 10th
+is held out, the rest are trained on. Each variant is the zoo recipe (`zoo.SMOLLM2_DRAFTER`,
+`zoo.SMOLLM2_DRAFTER_TRAINING`) with ``--steps`` and its own learning rate or first layers, from
+the same seed. It is then scored on the held-out responses that were generated greedily (3 in 4:
+`generate_responses`), at ``--anchors`` random anchors per response, by
+`specd.train.drafter.block_acceptance`: greedy acceptance per position of a block of ``--block``
+against the target's own greedy continuation, and τ = 1 + their sum. These answers were
+generated under bf16 autocast, so the figure is a proxy for the engine's (fp32 target) τ,
+good for ranking recipes; `specd bench decode --fixed-block` measures the real one.
+
+    specd bench recipe [--target smollm2-135m] [--lrs 5e-4,2e-3,4e-3] [--layers 0-1-2-3,0-1-28-29]
+                       [--steps 600] [--block 16] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from matplotlib.figure import Figure  # object API: no pyplot state, no display backend
+
+from specd import zoo
+from specd.data import load_tokenizer
+from specd.models.d3d import D3DModel
+from specd.models.loading import load_model
+from specd.train.drafter import block_acceptance, draft_vocabulary, init_from_target, read_sequences, train_drafter
+
+HELD_OUT_EVERY = 10  # response i is held out when i % 10 == 9
+
+
+@dataclass(kw_only=True, slots=True)
+class RecipeRow:
+    lr: float
+    layers_from: list[int]
+    steps: int
+    block: int
+    tau: float
+    """1 + the mean greedy accepted length of a fixed block (held-out responses)."""
+    accept_per_pos: list[float]
+    """P(positions 1..i all accepted)."""
+    blocks: int
+    """Blocks scored."""
+    denoise_loss: float
+    """Smoothed training denoising loss at the end."""
+    train_seconds: float
+    threads: int = field(default_factory=torch.get_num_threads)
+
+
+def split(num: int) -> tuple[list[int], list[int]]:
+    """(trained, held out) response indices; held out: greedy ones only (index % 4 != 0)."""
+    held = [i for i in range(num) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
+    trained = [i for i in range(num) if i % HELD_OUT_EVERY != HELD_OUT_EVERY - 1]
+    return trained, [i for i in held if i % 4]
+
+
+def random_anchors(sequences: list[list[int]], prompt_lens: list[int], block: int, per_seq: int,
+                   seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(sequences, anchors): ``per_seq`` anchors drawn in each response, of which those with a
+    whole block after them are kept; a sequence left with none is left out."""
+    rng = np.random.default_rng(seed)
+    kept, anchors = [], []
+    for seq, prompt_len in zip(sequences, prompt_lens):
+        drawn = rng.integers(prompt_len, max(prompt_len + 1, len(seq) - block), size=per_seq)
+        fitting = sorted(int(a) for a in drawn if a + block <= len(seq))
+        if fitting:
+            kept.append(seq)
+            anchors.append(fitting)
+    return kept, anchors
+
+
+def run_variant(target, tokenizer, sequences, prompt_lens, *, lr: float, layers_from: list[int], steps: int,
+                block: int, anchors_per_seq: int, work: Path) -> RecipeRow:
+    spec, training = zoo.SMOLLM2_DRAFTER, replace(zoo.SMOLLM2_DRAFTER_TRAINING, steps=steps, lr=lr)
+    trained, held = split(len(sequences))
+    train_seqs, train_lens = [sequences[i] for i in trained], [prompt_lens[i] for i in trained]
+    config = zoo.shared_drafter_config(target.config, num_hidden_layers=len(layers_from),
+                                       draft_vocab_size=spec["draft_vocab_size"],
+                                       mask_token_id=tokenizer.token_to_id(spec["mask_token"]))
+    torch.manual_seed(training.seed)
+    model = D3DModel(config)
+    model.set_draft_vocab(draft_vocabulary(train_seqs, train_lens, config.draft_vocab_size,
+                                           always=tuple(target.config.stop_token_ids)))
+    if not init_from_target(model, target, layers_from):
+        raise ValueError(f"layers {layers_from} do not fit the target's")
+    start = time.perf_counter()
+    stats = train_drafter(model, train_seqs, train_lens, training, work, target=target,
+                          pad_id=target.config.stop_token_ids[0], description=f"lr {lr:g} layers {layers_from}")
+    seconds = time.perf_counter() - start
+    held_seqs, anchors = random_anchors([sequences[i] for i in held], [prompt_lens[i] for i in held], block,
+                                        anchors_per_seq, seed=1)
+    counts, blocks = block_acceptance(model, held_seqs, anchors, block, bf16=training.bf16)
+    accept = (counts.double() / max(blocks, 1)).tolist()
+    return RecipeRow(lr=lr, layers_from=layers_from, steps=steps, block=block, tau=1 + sum(accept),
+                     accept_per_pos=accept, blocks=blocks, denoise_loss=stats["denoise_loss"], train_seconds=seconds)
+
+
+def format_table(rows: list[RecipeRow]) -> str:
+    lines = ["| lr | layers from | steps | τ (block %d) | acceptance at positions 1-4 | vs first row | train s |" % rows[0].block,
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        accept = " ".join(f"{a:.3f}" for a in row.accept_per_pos[:4])
+        lines.append(f"| {row.lr:g} | {'-'.join(map(str, row.layers_from))} | {row.steps} | {row.tau:.3f} | {accept} "
+                     f"| {row.tau / rows[0].tau:.3f}x | {row.train_seconds:.0f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[RecipeRow], path: Path) -> None:
+    """Acceptance per block position, one line per variant."""
+    fig = Figure(figsize=(7, 4))
+    ax = fig.add_subplot()
+    for row in rows:
+        ax.plot(range(1, row.block + 1), row.accept_per_pos, marker="o",
+                label=f"lr {row.lr:g}, layers {'-'.join(map(str, row.layers_from))}: τ {row.tau:.2f}")
+    ax.set_xlabel("block position")
+    ax.set_ylabel("P(accepted through this position)")
+    ax.set_title(f"held-out greedy acceptance, {rows[0].steps} steps")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default=zoo.SMOLLM2, help="zoo target with shared-layer drafters (smollm2-135m)")
+    parser.add_argument("--lrs", default="5e-4,2e-3,4e-3", help="comma-separated peak learning rates")
+    parser.add_argument("--layers", default="0-1-2-3",
+                        help="comma-separated target layers to start from, each as i-j-k-l (e.g. 0-1-2-3,0-1-28-29)")
+    parser.add_argument("--steps", type=int, default=600, help="training steps per variant")
+    parser.add_argument("--block", type=int, default=16, help="fixed block scored")
+    parser.add_argument("--anchors", type=int, default=8, help="anchors per held-out response")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default="out/bench", help="directory for the JSON and the work directories")
+    parser.add_argument("--json", help="JSON path (default OUT/recipe.json; the plot beside it as .png)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.target != zoo.SMOLLM2:
+        raise ValueError(f"bench recipe trains the shared-layer drafter recipe of {zoo.SMOLLM2}, not {args.target!r}")
+    try:
+        lrs = [float(x) for x in args.lrs.split(",")]
+    except ValueError:
+        raise ValueError(f"--lrs takes comma-separated learning rates such as 5e-4,2e-3, not {args.lrs!r}") from None
+    try:
+        layer_sets = [[int(i) for i in item.split("-")] for item in args.layers.split(",")]
+    except ValueError:
+        raise ValueError(f"--layers takes comma-separated target layer lists such as 0-1-2-3,0-1-28-29, "
+                         f"not {args.layers!r}") from None
+    torch.set_num_threads(args.threads)
+    zoo.build(only=f"responses-{args.target}")  # the training data (cached)
+    target = load_model(zoo.model_path(args.target))
+    tokenizer = load_tokenizer(zoo.model_path(args.target))
+    sequences, prompt_lens = read_sequences(zoo.zoo_dir() / f"responses-{args.target}" / "sequences.jsonl")
+    out = Path(args.out)
+    rows = []
+    for layers_from in layer_sets:
+        for lr in lrs:
+            work = out / "recipe-work" / f"lr{lr:g}-layers{'-'.join(map(str, layers_from))}-steps{args.steps}"
+            rows.append(run_variant(target, tokenizer, sequences, prompt_lens, lr=lr, layers_from=layers_from,
+                                    steps=args.steps, block=args.block, anchors_per_seq=args.anchors, work=work))
+            print(format_table(rows), flush=True)
+    path = Path(args.json) if args.json else out / "recipe.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    settings = {k: v for k, v in vars(args).items() if k != "func"}
+    path.write_text(json.dumps({"settings": settings, "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
+    plot(rows, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+    return 0
