@@ -42,8 +42,8 @@ import torch
 from tokenizers import Tokenizer
 
 from specd import precision, zoo
-from specd.bench import opd as bench_opd
 from specd.bench import gpu as bench_gpu
+from specd.bench import opd as bench_opd
 from specd.bench import profile as bench_profile
 from specd.bench import recipe as bench_recipe
 from specd.bench import tp as bench_tp
@@ -52,7 +52,6 @@ from specd.bench.decode import METHODS, DecodeSettings
 from specd.bench.decode import main as bench_decode_main
 from specd.data import DOMAINS, load_tokenizer
 from specd.data.chat import ChatTemplate
-from specd.models.gguf_convert import FetchError
 from specd.drafters.d3d import D3DDrafter
 from specd.drafters.dflash import DFlashDrafter
 from specd.drafters.hybrid import LookupHybridDrafter
@@ -60,6 +59,7 @@ from specd.drafters.ngram import NgramDrafter
 from specd.engine import EngineConfig, SpeculativeEngine, check_prompt
 from specd.flags import add_flags, from_flags
 from specd.models.d3d import D3DModel
+from specd.models.gguf_convert import FetchError
 from specd.models.loading import ModelLoadError, load_model, save_model
 from specd.plan import planner
 from specd.sampling import SamplingParams
