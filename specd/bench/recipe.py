@@ -14,7 +14,7 @@ against the target's own greedy continuation, and τ = 1 + their sum. These answ
 generated under bf16 autocast, so the figure is a proxy for the engine's (fp32 target) τ,
 good for ranking recipes; `specd bench decode --fixed-block` measures the real one.
 
-    specd bench recipe [--target smollm2-135m] [--lrs 5e-4,2e-3,4e-3] [--layers 0-1-2-3,0-1-28-29]
+    specd bench recipe [--target smollm2-135m] [--lrs 5e-4,2e-3,4e-3] [--layers 0-1-2-3,0-1-28-29] [--train-share S]
                        [--steps 600] [--block 16] [--json PATH]
 """
 
@@ -54,6 +54,8 @@ class RecipeRow:
     denoise_loss: float
     """Smoothed training denoising loss at the end."""
     train_seconds: float
+    train_share: float = 1.0
+    """Share of the non-held-out answers trained on."""
     threads: int = field(default_factory=torch.get_num_threads)
 
 
@@ -80,9 +82,10 @@ def random_anchors(sequences: list[list[int]], prompt_lens: list[int], block: in
 
 
 def run_variant(target, tokenizer, sequences, prompt_lens, *, lr: float, layers_from: list[int], steps: int,
-                block: int, anchors_per_seq: int, work: Path) -> RecipeRow:
+                block: int, anchors_per_seq: int, work: Path, train_share: float = 1.0) -> RecipeRow:
     spec, training = zoo.SMOLLM2_DRAFTER, replace(zoo.SMOLLM2_DRAFTER_TRAINING, steps=steps, lr=lr)
     trained, held = split(len(sequences))
+    trained = trained[: max(1, round(len(trained) * train_share))]  # the held-out set does not change
     train_seqs, train_lens = [sequences[i] for i in trained], [prompt_lens[i] for i in trained]
     config = zoo.shared_drafter_config(target.config, num_hidden_layers=len(layers_from),
                                        draft_vocab_size=spec["draft_vocab_size"],
@@ -102,15 +105,17 @@ def run_variant(target, tokenizer, sequences, prompt_lens, *, lr: float, layers_
     counts, blocks = block_acceptance(model, held_seqs, anchors, block, bf16=training.bf16)
     accept = (counts.double() / max(blocks, 1)).tolist()
     return RecipeRow(lr=lr, layers_from=layers_from, steps=steps, block=block, tau=1 + sum(accept),
-                     accept_per_pos=accept, blocks=blocks, denoise_loss=stats["denoise_loss"], train_seconds=seconds)
+                     accept_per_pos=accept, blocks=blocks, denoise_loss=stats["denoise_loss"], train_seconds=seconds,
+                     train_share=train_share)
 
 
 def format_table(rows: list[RecipeRow]) -> str:
-    lines = ["| lr | layers from | steps | τ (block %d) | acceptance at positions 1-4 | vs first row | train s |" % rows[0].block,
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| lr | layers from | steps | answers | τ (block %d) | acceptance at positions 1-4 | vs first row | train s |"
+             % rows[0].block, "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         accept = " ".join(f"{a:.3f}" for a in row.accept_per_pos[:4])
-        lines.append(f"| {row.lr:g} | {'-'.join(map(str, row.layers_from))} | {row.steps} | {row.tau:.3f} | {accept} "
+        lines.append(f"| {row.lr:g} | {'-'.join(map(str, row.layers_from))} | {row.steps} | {row.train_share:.0%} "
+                     f"| {row.tau:.3f} | {accept} "
                      f"| {row.tau / rows[0].tau:.3f}x | {row.train_seconds:.0f} |")
     return "\n".join(lines)
 
@@ -138,6 +143,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=600, help="training steps per variant")
     parser.add_argument("--block", type=int, default=16, help="fixed block scored")
     parser.add_argument("--anchors", type=int, default=8, help="anchors per held-out response")
+    parser.add_argument("--train-share", type=float, default=1.0,
+                        help="train on this share of the non-held-out answers (how much more data would help)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="out/bench", help="directory for the JSON and the work directories")
     parser.add_argument("--json", help="JSON path (default OUT/recipe.json; the plot beside it as .png)")
@@ -155,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError:
         raise ValueError(f"--layers takes comma-separated target layer lists such as 0-1-2-3,0-1-28-29, "
                          f"not {args.layers!r}") from None
+    if not 0 < args.train_share <= 1:
+        raise ValueError(f"--train-share is a share of the answers in (0, 1], not {args.train_share}")
     torch.set_num_threads(args.threads)
     zoo.build(only=f"responses-{args.target}")  # the training data (cached)
     target = load_model(zoo.model_path(args.target))
@@ -164,9 +173,11 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for layers_from in layer_sets:
         for lr in lrs:
-            work = out / "recipe-work" / f"lr{lr:g}-layers{'-'.join(map(str, layers_from))}-steps{args.steps}"
+            name = f"lr{lr:g}-layers{'-'.join(map(str, layers_from))}-steps{args.steps}-share{args.train_share:g}"
+            work = out / "recipe-work" / name
             rows.append(run_variant(target, tokenizer, sequences, prompt_lens, lr=lr, layers_from=layers_from,
-                                    steps=args.steps, block=args.block, anchors_per_seq=args.anchors, work=work))
+                                    steps=args.steps, block=args.block, anchors_per_seq=args.anchors, work=work,
+                                    train_share=args.train_share))
             print(format_table(rows), flush=True)
     path = Path(args.json) if args.json else out / "recipe.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -92,6 +92,7 @@ def test_bench_decode_refuses_an_unknown_domain_or_method(capsys, flag, value, m
     (["--target", "qwen3-tiny"], "not 'qwen3-tiny'"),
     (["--lrs", "fast"], "--lrs"),
     (["--layers", "0-x"], "--layers"),
+    (["--train-share", "1.5"], "--train-share"),
 ])
 def test_bench_recipe_refuses_what_it_cannot_train(capsys, args, message):
     """Refused before anything is built or trained, with what to pass instead."""
