@@ -415,6 +415,7 @@ class SpeculativeEngine:
             self._adapt_budget(time.perf_counter() - joined, pass_seconds)
         results = self._verify_all(running, blocks, logits)
         paths = [None] * self.config.max_num_seqs
+        selective = self._selective(len(running))
         for i, (seq, block, result) in enumerate(zip(running, blocks, results)):
             if isinstance(result, Exception):
                 # One request's sampling failed (what validation at the door should have caught):
@@ -428,7 +429,7 @@ class SpeculativeEngine:
                                      self._last_hidden[seq.row, :committed])
             self._emit(seq, block[: result.num_accepted] + [result.next_token])
             seq.generation.accepted_lengths.append(result.num_accepted)
-            if seq.block is not None and self._selective(len(running)):  # what drafting delivered
+            if seq.block is not None and selective:  # what drafting delivered (`CostModel.worth_drafting`)
                 observed = float(result.num_accepted)
                 drafted = len(seq.block.tokens)
                 if result.num_accepted == len(block) < drafted:

@@ -286,8 +286,9 @@ def _train_into(out: Path, name: str, model: D3DModel, target_model, sequences: 
 # drafts over the 8192 tokens most frequent in those answers (FR-Spec: the head's product is 6x
 # smaller; a drafting pass reads ~75 MB of fp32 weights beside the target's 538 MB). Hard labels:
 # distilling the target's own distributions (`DrafterTrainConfig.distill`) cost twice the time for
-# the same τ (the README has the figures). Peak learning rate 4e-3: at 600 steps `specd bench recipe`
-# gave held-out τ 1.53 / 1.73 / 1.76 at a block of 16 for 5e-4 (the earlier recipe) / 2e-3 / 4e-3.
+# the same τ (the README has the figures). Peak learning rate 4e-3: at 600 steps `specd bench recipe
+# --lrs 5e-4,4e-3` gave held-out τ 1.53 / 1.76 at a block of 16 (5e-4 was the earlier recipe; 2e-3
+# gave 1.73 in the same computation run before the command existed).
 SMOLLM2 = "smollm2-135m"
 SMOLLM2_RESPONSES = {"per_domain": 512, "max_tokens": 128, "seed": 0, "greedy": 0.75, "chat_template": True,
                      "batch": 64, "bf16": True}
@@ -314,6 +315,25 @@ def shared_drafter_config(target_config, *, num_hidden_layers: int, draft_vocab_
     )
 
 
+def new_shared_drafter(target_model, tokenizer, spec: dict, sequences: list[list[int]], prompt_lens: list[int], *,
+                       reads_target: bool = False) -> D3DModel:
+    """An untrained drafter as ``spec`` (`SMOLLM2_DRAFTER`'s keys) describes, before training:
+    `shared_drafter_config`, the drafting vocabulary from ``sequences``' responses, and the
+    target's layers ``spec["layers_from"]``, embedding and head."""
+    mask_token_id = tokenizer.token_to_id(spec["mask_token"])
+    if mask_token_id is None:
+        raise ValueError(f"the target's tokenizer has no {spec['mask_token']!r} token to draft masks with")
+    config = shared_drafter_config(target_model.config, num_hidden_layers=spec["num_hidden_layers"],
+                                   draft_vocab_size=spec["draft_vocab_size"], mask_token_id=mask_token_id,
+                                   reads_target=reads_target)
+    model = D3DModel(config)
+    model.set_draft_vocab(draft_vocabulary(sequences, prompt_lens, config.draft_vocab_size,
+                                           always=tuple(target_model.config.stop_token_ids)))
+    if not init_from_target(model, target_model, spec["layers_from"]):
+        raise ValueError(f"the drafter's shapes do not match the target's layers {spec['layers_from']}")
+    return model
+
+
 def _build_shared_drafter(name: str, target: str, spec: dict, training: DrafterTrainConfig, *,
                           reads_target: bool, default: bool = True) -> Step:
     """A drafter for a pretrained target, built as `shared_drafter_config` describes."""
@@ -322,19 +342,9 @@ def _build_shared_drafter(name: str, target: str, spec: dict, training: DrafterT
         torch.manual_seed(training.seed)
         target_dir = model_path(target)
         target_model = load_model(target_dir)
-        tokenizer = load_tokenizer(target_dir)
-        mask_token_id = tokenizer.token_to_id(spec["mask_token"])
-        if mask_token_id is None:
-            raise ValueError(f"{target_dir}'s tokenizer has no {spec['mask_token']!r} token to draft masks with")
-        config = shared_drafter_config(target_model.config, num_hidden_layers=spec["num_hidden_layers"],
-                                       draft_vocab_size=spec["draft_vocab_size"], mask_token_id=mask_token_id,
-                                       reads_target=reads_target)
-        model = D3DModel(config)
         sequences, prompt_lens = read_sequences(zoo_dir() / f"responses-{target}" / "sequences.jsonl")
-        model.set_draft_vocab(draft_vocabulary(sequences, prompt_lens, config.draft_vocab_size,
-                                               always=tuple(target_model.config.stop_token_ids)))
-        if not init_from_target(model, target_model, spec["layers_from"]):
-            raise ValueError(f"{name}: the drafter's shapes do not match {target}'s layers")
+        model = new_shared_drafter(target_model, load_tokenizer(target_dir), spec, sequences, prompt_lens,
+                                   reads_target=reads_target)
         _train_into(out, name, model, target_model, sequences, prompt_lens, training,
                     pad_id=target_model.config.stop_token_ids[0], tokenizer_from=target_dir)
 

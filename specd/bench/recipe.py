@@ -32,9 +32,8 @@ from matplotlib.figure import Figure  # object API: no pyplot state, no display 
 
 from specd import zoo
 from specd.data import load_tokenizer
-from specd.models.d3d import D3DModel
 from specd.models.loading import load_model
-from specd.train.drafter import block_acceptance, draft_vocabulary, init_from_target, read_sequences, train_drafter
+from specd.train.drafter import block_acceptance, read_sequences, train_drafter
 
 HELD_OUT_EVERY = 10  # response i is held out when i % 10 == 9
 
@@ -83,19 +82,13 @@ def random_anchors(sequences: list[list[int]], prompt_lens: list[int], block: in
 
 def run_variant(target, tokenizer, sequences, prompt_lens, *, lr: float, layers_from: list[int], steps: int,
                 block: int, anchors_per_seq: int, work: Path, train_share: float = 1.0) -> RecipeRow:
-    spec, training = zoo.SMOLLM2_DRAFTER, replace(zoo.SMOLLM2_DRAFTER_TRAINING, steps=steps, lr=lr)
+    spec = {**zoo.SMOLLM2_DRAFTER, "num_hidden_layers": len(layers_from), "layers_from": layers_from}
+    training = replace(zoo.SMOLLM2_DRAFTER_TRAINING, steps=steps, lr=lr)
     trained, held = split(len(sequences))
     trained = trained[: max(1, round(len(trained) * train_share))]  # the held-out set does not change
     train_seqs, train_lens = [sequences[i] for i in trained], [prompt_lens[i] for i in trained]
-    config = zoo.shared_drafter_config(target.config, num_hidden_layers=len(layers_from),
-                                       draft_vocab_size=spec["draft_vocab_size"],
-                                       mask_token_id=tokenizer.token_to_id(spec["mask_token"]))
     torch.manual_seed(training.seed)
-    model = D3DModel(config)
-    model.set_draft_vocab(draft_vocabulary(train_seqs, train_lens, config.draft_vocab_size,
-                                           always=tuple(target.config.stop_token_ids)))
-    if not init_from_target(model, target, layers_from):
-        raise ValueError(f"layers {layers_from} do not fit the target's")
+    model = zoo.new_shared_drafter(target, tokenizer, spec, train_seqs, train_lens)
     start = time.perf_counter()
     stats = train_drafter(model, train_seqs, train_lens, training, work, target=target,
                           pad_id=target.config.stop_token_ids[0], description=f"lr {lr:g} layers {layers_from}")
