@@ -72,7 +72,6 @@ from torch import Tensor
 
 from specd.tree import TokenTree
 
-
 SEED_RANGE = (0, 2**64 - 1)
 """Seeds a request may give: what a 64-bit generator state holds (the gRPC field is uint64)."""
 
@@ -643,7 +642,7 @@ def verify_tree_keyed(
     position ``start + d`` is computed from that slot's row; the child whose token is y is
     accepted and descended into, else y is emitted (correction, or bonus after a leaf). Any
     candidates, stochastic or not: the committed tokens are plain decoding's."""
-    num_nodes = _check_tree_inputs(tree, target_probs)
+    _check_tree_inputs(tree, target_probs)
     children: dict[tuple[int, int], int] = {}  # (parent slot, token) -> node; the first sibling wins
     for node, (parent, token) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist())):
         children.setdefault((parent + 1, token), node)

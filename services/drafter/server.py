@@ -57,12 +57,12 @@ from services.common.server import GrpcServer, abort, open_channel
 from services.common.telemetry import get_tracer, start_metrics_server
 from services.common.wire import block_to_proto, params_from_proto
 from services.drafter.weights import WeightWatcher
-from specd._proto.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, trainer_pb2_grpc
 from specd import precision
+from specd._proto.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, trainer_pb2_grpc
 from specd.drafters.base import DraftRequest, SpeculateRequest, check_block_size
 from specd.drafters.d3d import D3DDrafter
-from specd.models.d3d import D3DModel
 from specd.models.attention import BACKENDS
+from specd.models.d3d import D3DModel
 from specd.models.loading import ModelLoadError, load_model
 from specd.sampling import SamplingParams
 

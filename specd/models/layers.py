@@ -7,9 +7,9 @@ activation dtype) so that logits match `transformers` to ~1e-5 in fp32.
 from __future__ import annotations
 
 import os
-from typing import Callable
 import statistics
 import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +18,6 @@ from torch import Tensor, nn
 from specd.batch import ForwardBatch
 from specd.cache import KVCache
 from specd.models.attention import AttentionMetadata
-
 
 SMALL_ROWS = 6
 """Up to this many rows (tokens of a pass), a CPU `linear` may compute ``W @ x.T`` (see `linear`)."""

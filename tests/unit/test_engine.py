@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
+from specd.cost_model import CostModel
 from specd.drafters.base import DraftBlock, Drafter, DrafterUnavailable, DraftRequest
 from specd.drafters.d3d import D3DDrafter
 from specd.drafters.ngram import NgramDrafter
-from specd.cost_model import CostModel
 from specd.engine import EngineConfig, SpeculativeEngine, autoregressive
 from specd.models.d3d import FLAVOURS as D3D_FLAVOURS
 from specd.models.d3d import D3DModel

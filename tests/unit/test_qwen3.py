@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-
 from hf_reference import assert_greedy_matches_generate
 
 from specd.batch import ForwardBatch

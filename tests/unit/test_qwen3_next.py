@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 import transformers
-
 from hf_reference import assert_greedy_matches_generate
 
 from specd.batch import ForwardBatch

@@ -34,8 +34,8 @@ from services.common.wire import params_to_proto
 from services.verifier.http import MAX_STOP_CHARS, MAX_STOP_STRINGS, build_app, serve_http
 from services.verifier.score import ScoreHandler
 from services.verifier.server import VerifierServicer
-from specd._proto.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specd import engine as engine_module
+from specd._proto.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specd.drafters.ngram import NgramDrafter
 from specd.engine import EngineConfig, autoregressive
 from specd.sampling import SamplingParams, process_logits
