@@ -20,6 +20,7 @@ A table, JSON and PNG plots. ``--quick`` runs fewer levels and requests (minutes
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from services.client import metrics
 from services.load import clients_off_verifier_cores, run_level, sender
 from services.up import Stack, StackConfig, zoo_model
 from specd.engine import tau
+from specd.flags import default_of
 from specd.plan.compare import spread as round_spread
 
 
@@ -61,6 +63,11 @@ class ServeSettings:
     """Requests per concurrency level (0 = max(4 x concurrency, 16): a level of a few requests
     lasts a second, and its tail, where a few requests finish alone, weighs too much)."""
     max_tokens: int = 64
+    max_prompt_tokens: int = 96
+    """The last this many tokens of each held-out prompt (rendered in the target's chat template)."""
+    temperatures: tuple[float, ...] = (0.0,)
+    """Every level runs at each of these (0: greedy; the comparison with the simulator reads
+    the greedy rows)."""
     block_size: int = 8
     max_num_seqs: int = 64
     pin: bool = True
@@ -78,6 +85,7 @@ class ServeSettings:
 class ServeRow:
     deployment: str
     concurrency: int
+    temperature: float = 0.0
     requests: int
     output_tokens: int
     seconds: float
@@ -127,23 +135,21 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def prompts(max_prompt_tokens: int = 96) -> list[list[int]]:
-    """Held-out prompts of every domain, interleaved, as token ids."""
-    from specd import zoo
-    from specd.data import load_tokenizer
+def prompts(target: str, max_prompt_tokens: int = 96) -> list[list[int]]:
+    """Held-out prompts of every domain, interleaved, as the target's token ids (rendered in its
+    own chat template: `specd.bench.profile.zoo_prompts`, which the simulator's profile shares)."""
+    from specd.bench.profile import zoo_prompts
 
-    tokenizer = load_tokenizer(zoo.tokenizer_dir(), zoo=True)
-    per_domain = [[tokenizer.encode(item.prompt).ids[-max_prompt_tokens:] for item in items]
-                  for items in zoo.heldout().values()]
-    return [p for group in zip(*per_domain) for p in group]
+    return zoo_prompts(Path(target), max_prompt_tokens)
 
 
 def bench_serve(settings: ServeSettings, target: str, drafter: str) -> list[ServeRow]:
-    pool = prompts()
+    pool = prompts(target, settings.max_prompt_tokens)
     chosen = [d for d in DEPLOYMENTS if d.name in settings.deployments]
     if settings.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {settings.repeats}")
-    progress = tqdm(total=settings.repeats * len(chosen) * len(settings.concurrency), desc="bench serve", unit="level")
+    levels = len(settings.concurrency) * len(settings.temperatures)
+    progress = tqdm(total=settings.repeats * len(chosen) * levels, desc="bench serve", unit="level")
     rounds: list[list[ServeRow]] = []
     for round_ in range(settings.repeats):
         rows = []
@@ -158,35 +164,45 @@ def bench_serve(settings: ServeSettings, target: str, drafter: str) -> list[Serv
 
 def _serve_deployment(settings: ServeSettings, deployment: Deployment, target: str, drafter: str,
                       pool: list[list[int]], progress: tqdm, label: str) -> list[ServeRow]:
-    """Start one deployment's processes and drive every concurrency level through it."""
+    """Start one deployment's processes and drive every concurrency level through it.
+
+    Plain decoding gets the whole machine, as a user without speculation would run it: its
+    verifier unpinned, with a thread per core. A speculative deployment gets the same machine
+    split between its processes (`StackConfig.pin`: the verifier a core of its own first)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    whole_machine = not deployment.speculative
     config = StackConfig(target=target, drafter=drafter if deployment.speculative else "",
                          drafters=deployment.drafters, verifiers=1, trainer=False, mode=deployment.mode,
-                         block_size=settings.block_size, max_num_seqs=settings.max_num_seqs, pin=settings.pin,
+                         block_size=settings.block_size, max_num_seqs=settings.max_num_seqs,
+                         pin=settings.pin and not whole_machine,
+                         verifier_args=["--threads", str(cores)] if whole_machine else [],
                          verifier_http_port=18000, verifier_grpc_port=51051, drafter_port=51052)
     rows = []
     with Stack(config) as stack, clients_off_verifier_cores(stack):
         base = stack.verifiers[0].http
-        send = sender(settings.client, stack, Path(target).name)
         stack.wait_drafting()
-        run_level(send, pool, 1, 2, 8)  # warm up: first passes allocate and fill caches
-        for concurrency in settings.concurrency:
-            progress.set_postfix_str(f"{label}{deployment.name} c={concurrency}")
-            before = metrics(base)
-            results, seconds, errors = run_level(send, pool, concurrency,
-                                                 settings.requests(concurrency), settings.max_tokens)
-            after = metrics(base)
-            row = _row(deployment, concurrency, results, seconds, errors, before, after)
-            row.drafter_cores = len({d.core for d in stack.drafters if d.core is not None})
-            rows.append(row)
-            progress.update()
+        run_level(sender(settings.client, stack, Path(target).name), pool, 1, 2, 8)  # warm up: allocate, fill caches
+        for temperature in settings.temperatures:
+            send = sender(settings.client, stack, Path(target).name, temperature=temperature)
+            for concurrency in settings.concurrency:
+                progress.set_postfix_str(f"{label}{deployment.name} c={concurrency} T={temperature:g}")
+                before = metrics(base)
+                results, seconds, errors = run_level(send, pool, concurrency,
+                                                     settings.requests(concurrency), settings.max_tokens)
+                after = metrics(base)
+                row = _row(deployment, concurrency, results, seconds, errors, before, after)
+                row.temperature = temperature
+                row.drafter_cores = len({d.core for d in stack.drafters if d.core is not None})
+                rows.append(row)
+                progress.update()
     return rows
 
 
 def _ratios_to_plain(rows: list[ServeRow]) -> None:
     """Each row's speedup and drafter-free speedup against plain decoding in the same round."""
-    plain = {r.concurrency: r for r in rows if r.deployment == "plain"}
+    plain = {(r.concurrency, r.temperature): r for r in rows if r.deployment == "plain"}
     for row in rows:
-        base = plain.get(row.concurrency)
+        base = plain.get((row.concurrency, row.temperature))
         if base is not None and base.tokens_per_s:
             row.speedup = row.tokens_per_s / base.tokens_per_s
             step = row.target_ms + row.step_overhead_ms
@@ -200,7 +216,8 @@ def _median_rounds(rounds: list[list[ServeRow]]) -> list[ServeRow]:
     out = []
     for i, first in enumerate(rounds[0]):
         same = [rows[i] for rows in rounds]
-        assert all((r.deployment, r.concurrency) == (first.deployment, first.concurrency) for r in same)
+        assert all((r.deployment, r.concurrency, r.temperature) == (first.deployment, first.concurrency, first.temperature)
+                   for r in same)
         ordered = sorted(same, key=lambda r: r.tokens_per_s)
         row = ordered[(len(ordered) - 1) // 2]
         row.runs = [r.tokens_per_s for r in same]
@@ -243,13 +260,13 @@ def _row(deployment: Deployment, concurrency: int, results: list, seconds: float
 
 def format_table(rows: list[ServeRow]) -> str:
     spread = any(len(r.runs) > 1 for r in rows)
-    head = (f"{'deployment':<11}{'conc':>5}{'reqs':>5}{'tok/s':>8}" + (f"{'spread':>8}" if spread else "")
+    head = (f"{'deployment':<11}{'conc':>5}{'T':>4}{'reqs':>5}{'tok/s':>8}" + (f"{'spread':>8}" if spread else "")
             + f"{'vs plain':>9}{'no-draft':>9}{'tau':>6}{'hit':>6}"
             f"{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}{'errors':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r.deployment:<11}{r.concurrency:>5}{r.requests:>5}{r.tokens_per_s:>8.1f}"
+            f"{r.deployment:<11}{r.concurrency:>5}{r.temperature:>4g}{r.requests:>5}{r.tokens_per_s:>8.1f}"
             + (f"{round_spread(r.runs, r.tokens_per_s):>7.0%} " if spread else "") + f"{r.speedup:>8.2f}x"
             f"{r.drafter_free:>8.2f}x"
             f"{r.tau:>6.2f}{r.hit_rate:>6.0%}{r.ttft_p50 * 1e3:>8.0f}ms{r.ttft_p99 * 1e3:>6.0f}ms"
@@ -285,6 +302,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--concurrency", default="", help="comma-separated levels (default 1,4,16,64)")
     parser.add_argument("--deployments", default="", help=f"subset of: {', '.join(d.name for d in DEPLOYMENTS)}")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-prompt-tokens", type=int, default=default_of(ServeSettings, "max_prompt_tokens"),
+                        help="the last this many tokens of each held-out prompt")
+    parser.add_argument("--temperatures", default="0", help="comma-separated, e.g. 0 or 0,1 (default 0)")
     parser.add_argument("--target", default="", help="target directory (default: the zoo's qwen3-tiny)")
     parser.add_argument("--drafter", default="", help="drafter directory (default: the zoo's d3d-qwen3-tiny)")
     parser.add_argument("--no-pin", action="store_true", help="do not pin services to cores")
@@ -296,8 +316,20 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", default=None, help="JSON path (default OUT/serve.json)")
 
 
+def _floats(text: str, flag: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated numbers, e.g. 0,1; got {text!r}") from None
+    if any(v < 0 or v != v for v in values):
+        raise ValueError(f"{flag} must be >= 0, got {text!r}")
+    return values
+
+
 def run(args) -> int:
-    settings = ServeSettings(pin=not args.no_pin, max_tokens=args.max_tokens, client=args.client, repeats=args.repeats)
+    settings = ServeSettings(pin=not args.no_pin, max_tokens=args.max_tokens, client=args.client, repeats=args.repeats,
+                             max_prompt_tokens=args.max_prompt_tokens,
+                             temperatures=_floats(args.temperatures, "--temperatures"))
     if args.quick:
         settings.concurrency, settings.requests_per_level = (1, 4, 16), 16
     if args.concurrency:

@@ -66,13 +66,15 @@ def stream_completion(base_url: str, path: str, body: dict, *, token: str = "", 
     return result
 
 
-def grpc_completion(stub, prompt: list[int], max_tokens: int, *, timeout: float = 600.0) -> Completion:
-    """The same measurement over the verifier's gRPC ``Generate`` stream (greedy)."""
+def grpc_completion(stub, prompt: list[int], max_tokens: int, *, temperature: float = 0.0,
+                    timeout: float = 600.0) -> Completion:
+    """The same measurement over the verifier's gRPC ``Generate`` stream (greedy by default)."""
     from specd._proto.v1 import common_pb2, verifier_pb2
 
     result = Completion()
     start = time.perf_counter()
-    request = verifier_pb2.GenerateRequest(prompt_token_ids=prompt, params=common_pb2.SamplingParams(max_tokens=max_tokens))
+    params = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature)
+    request = verifier_pb2.GenerateRequest(prompt_token_ids=prompt, params=params)
     for message in stub.Generate(request, timeout=timeout):
         now = time.perf_counter() - start
         if message.token_ids:

@@ -61,15 +61,16 @@ def run_level(send: Send, pool: list[list[int]], concurrency: int, requests: int
     return [r for _, r in results], time.perf_counter() - start, errors
 
 
-def sender(client: str, stack: Stack, model: str) -> Send:
-    """One streaming greedy request to the stack's first verifier through the chosen API:
-    ``"http"`` (OpenAI completions) or ``"grpc"`` (Generate)."""
+def sender(client: str, stack: Stack, model: str, temperature: float = 0.0) -> Send:
+    """One streaming request at ``temperature`` (0: greedy) to the stack's first verifier through
+    the chosen API: ``"http"`` (OpenAI completions) or ``"grpc"`` (Generate)."""
     if client == "grpc":
         stub = verifier_pb2_grpc.VerifierStub(open_channel(stack.verifiers[0].grpc, ServiceConfig()))
-        return lambda prompt, max_tokens: grpc_completion(stub, prompt, max_tokens)
+        return lambda prompt, max_tokens: grpc_completion(stub, prompt, max_tokens, temperature=temperature)
     base = stack.verifiers[0].http
     return lambda prompt, max_tokens: stream_completion(
-        base, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+        base, "/v1/completions",
+        {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature})
 
 
 @contextlib.contextmanager

@@ -160,20 +160,24 @@ class _Models:
 
 
 def domain_prompts(settings: DecodeSettings, target_dir: Path | None = None) -> dict[str, list[list[int]]]:
-    """The held-out prompts of each domain as the target's token ids: a chat prompt re-rendered
-    with the target's own template (SmolLM2 adds its system turn), any other text as it is."""
-    target_dir = target_dir or zoo.model_path(settings.target)
+    """The held-out prompts of the run's domains as the target's token ids (`heldout_prompts`)."""
+    return heldout_prompts(target_dir or zoo.model_path(settings.target), per_domain=settings.prompts_per_domain,
+                           max_prompt_tokens=settings.max_prompt_tokens, domains=settings.domains)
+
+
+def heldout_prompts(target_dir: Path, *, per_domain: int | None = None, max_prompt_tokens: int = 192,
+                    domains: tuple[str, ...] = DOMAINS) -> dict[str, list[list[int]]]:
+    """The zoo's held-out prompts of each domain (the first ``per_domain``; None: all) as the
+    target's token ids: a chat prompt re-rendered with the target's own template (SmolLM2 adds
+    its system turn), any other text as it is; the last ``max_prompt_tokens`` of each."""
     tokenizer = load_tokenizer(target_dir)
     template = ChatTemplate.from_dir(target_dir)
     prompts = {}
     for domain, items in zoo.heldout().items():
-        if domain not in settings.domains:
+        if domain not in domains:
             continue
-        encoded = []
-        for item in items[: settings.prompts_per_domain]:
-            text = render_prompt(item.prompt, template)
-            encoded.append(tokenizer.encode(text).ids[-settings.max_prompt_tokens :])
-        prompts[domain] = encoded
+        prompts[domain] = [tokenizer.encode(render_prompt(item.prompt, template)).ids[-max_prompt_tokens:]
+                           for item in items[:per_domain]]
     return prompts
 
 

@@ -50,7 +50,7 @@ from tqdm import tqdm
 
 from specd import zoo
 from specd.batch import ForwardBatch
-from specd.data import load_tokenizer
+from specd.bench.decode import heldout_prompts
 from specd.drafters.base import Drafter, DraftRequest, SpeculateRequest
 from specd.drafters.d3d import D3DDrafter
 from specd.engine import EngineConfig, SpeculativeEngine
@@ -302,11 +302,10 @@ class ProfileSettings:
                                repeats=3, extra_blocks=(), acceptance_batches=(4,), prompts_per_domain=2)
 
 
-def zoo_prompts(max_prompt_tokens: int, per_domain: int) -> list[list[int]]:
-    """The zoo's held-out prompts as ids, domains interleaved (as `specd bench serve` sends them)."""
-    tokenizer = load_tokenizer(zoo.tokenizer_dir(), zoo=True)
-    per = [[tokenizer.encode(item.prompt).ids[-max_prompt_tokens:] for item in items][:per_domain]
-           for items in zoo.heldout().values()]
+def zoo_prompts(target_dir: Path, max_prompt_tokens: int, per_domain: int | None = None) -> list[list[int]]:
+    """The zoo's held-out prompts as the target's ids (its chat template and tokenizer,
+    `heldout_prompts`), domains interleaved (as `specd bench serve` sends them)."""
+    per = heldout_prompts(target_dir, per_domain=per_domain, max_prompt_tokens=max_prompt_tokens).values()
     return [p for group in zip(*per) for p in group]
 
 
@@ -557,9 +556,9 @@ def measure(args: argparse.Namespace, *, services: bool = False) -> Measured:
     if settings.block_size > max_block:
         raise ValueError(f"--block-size {settings.block_size} is above the drafter's max_block {max_block}")
     settings.extra_blocks = tuple(b for b in settings.extra_blocks if b <= max_block)
-    prompts = zoo_prompts(settings.max_prompt_tokens, settings.prompts_per_domain)
+    prompts = zoo_prompts(target_dir, settings.max_prompt_tokens, settings.prompts_per_domain)
     profile = measure_profile(target, drafter, prompts, settings, names=(target_dir.name, drafter_dir.name))
-    pool = zoo_prompts(settings.max_prompt_tokens, 1 << 30)  # every held-out prompt, as bench serve sends them
+    pool = zoo_prompts(target_dir, settings.max_prompt_tokens)  # every held-out prompt, as bench serve sends them
     profile.workload.prompt_tokens = [len(p) for p in pool]
     return Measured(profile=profile, settings=settings, target_dir=target_dir, drafter_dir=drafter_dir,
                     drafter=drafter, pool=pool)

@@ -160,3 +160,20 @@ def test_speculative_greedy_output_equals_plain_greedy_output(ours, chat_prompts
     assert [g.token_ids for g in engine.generate(prompts, params)] == expected
     engine.close()
     assert engine.stats.num_draft_tokens > 0  # it did verify drafts
+
+
+def test_bench_serve_sends_the_held_out_prompts_in_smollm2s_own_template(directory, tokenizer):
+    from services.bench import prompts
+
+    pool = prompts(str(directory), max_prompt_tokens=96)
+    heldout = zoo.heldout()
+    assert len(pool) == len(heldout) * min(len(items) for items in heldout.values())
+    assert all(0 < len(p) <= 96 and max(p) < tokenizer.get_vocab_size() for p in pool)
+    # Domains interleaved; a chat ends at SmolLM2's assistant turn, in its tokenizer's ids (the tiny
+    # zoo's ids would decode to other text), and a short one keeps the template's system turn.
+    texts = [tokenizer.decode(p, skip_special_tokens=False) for p in pool[: len(heldout)]]
+    chats = [t for t, items in zip(texts, heldout.values()) if "<|im_start|>assistant" in items[0].prompt]
+    assert chats and all(t.endswith("<|im_start|>assistant\n") for t in chats)
+    decoded = [tokenizer.decode(p, skip_special_tokens=False) for p in pool]
+    short_chats = [t for p, t in zip(pool, decoded) if len(p) < 96 and t.endswith("<|im_start|>assistant\n")]
+    assert short_chats and all(t.startswith("<|im_start|>system\n") for t in short_chats)

@@ -40,3 +40,13 @@ def test_one_round_has_no_spread_column():
     rows = _median_rounds([_round(200.0, 100.0, 2.0)])
     assert rows[1].speedup == pytest.approx(0.5) and rows[1].runs == [100.0]
     assert "spread" not in format_table(rows)
+
+
+def test_each_temperature_is_divided_by_plain_decoding_at_that_temperature():
+    rows = [_row("plain", 1, 300.0), _row("async 1:1", 1, 150.0, 2.0),
+            _row("plain", 1, 100.0), _row("async 1:1", 1, 90.0, 1.2)]
+    rows[2].temperature = rows[3].temperature = 1.0
+    _ratios_to_plain(rows)
+    assert rows[1].speedup == pytest.approx(0.5) and rows[3].speedup == pytest.approx(0.9)
+    # With rounds, a row is matched to the same (deployment, concurrency, temperature) of each round.
+    assert [r.temperature for r in _median_rounds([rows, rows])] == [0.0, 0.0, 1.0, 1.0]
