@@ -47,6 +47,9 @@ from services.verifier.traces import TraceWriter
 from specd._proto.v1 import verifier_pb2, verifier_pb2_grpc
 from specd.data import load_tokenizer
 from specd.data.chat import ChatTemplate
+from specd.drafters.base import Drafter
+from specd.drafters.hybrid import LookupHybridDrafter
+from specd.drafters.ngram import NgramDrafter
 from specd.engine import EngineConfig
 from specd.models.attention import BACKENDS
 from specd.models.loading import ModelLoadError, load_model
@@ -70,6 +73,9 @@ class VerifierConfig(ServiceConfig):
     served_model_name: str = field(default="", metadata={"help": "model name of the HTTP API (default: the model directory's name)"})
     drafters: list[str] = field(default_factory=list, metadata={
         "help": "drafter addresses, comma-separated host:port or dns:///name:port (empty = plain decoding)"})
+    prompt_lookup: bool = field(default=False, metadata={
+        "help": "prompt lookup beside the drafters (per sequence and step, the block expected to go further), "
+                "or alone without drafters (n-gram speculation)"})
     http_host: str = field(default="127.0.0.1", metadata={"help": "address the HTTP API binds"})
     http_port: int = field(default=8000, metadata={"help": "port of the OpenAI-compatible HTTP API (-1 = none)"})
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(drafter_retry_seconds=2.0))
@@ -236,6 +242,16 @@ def load_target(config: VerifierConfig, ranks: lockstep.Ranks | None) -> nn.Modu
     return lockstep.LockstepTarget(model) if ranks.rank == 0 else model
 
 
+def engine_drafter(drafters: RemoteDrafters | None, config: VerifierConfig, vocab_size: int) -> Drafter | None:
+    """What the engine drafts with: the drafter services, with prompt lookup beside them
+    (`LookupHybridDrafter`) or alone (`NgramDrafter`) under ``--prompt-lookup``; None: plain."""
+    if not config.prompt_lookup:
+        return drafters
+    if drafters is not None:
+        return LookupHybridDrafter(drafters)
+    return NgramDrafter(vocab_size=vocab_size, max_block=max(1, config.engine.block_size))
+
+
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(VerifierConfig, argv, prog="specd-verifier",
                           description="The specd target verifier: gRPC Generate/Score and the OpenAI HTTP API.")
@@ -288,9 +304,10 @@ def main(argv: list[str] | None = None) -> None:
         grpc_server.set_serving(False)
         os.kill(os.getpid(), signal.SIGTERM)
 
+    drafter = engine_drafter(drafters, config, target.config.vocab_size)
     engine = ServingEngine(
-        target, drafters,
-        config.engine if drafters else dataclasses.replace(config.engine, block_size=0),
+        target, drafter,
+        config.engine if drafter else dataclasses.replace(config.engine, block_size=0),
         max_model_len=config.max_model_len or None,
         drafter_version=(lambda: drafters.version) if drafters else (lambda: ""),
         on_finish=on_finish,
@@ -312,8 +329,9 @@ def main(argv: list[str] | None = None) -> None:
         http = serve_http(app, config.http_host, config.http_port)
     grpc_server.set_serving()
     http_note = f", HTTP on {config.http_host}:{config.http_port}" if http else ""
-    print(f"verifier serving gRPC on {config.host}:{port}{http_note} "
-          f"({'drafters ' + ','.join(config.drafters) if drafters else 'plain decoding'})", flush=True)
+    drafting = [f"drafters {','.join(config.drafters)}"] * bool(drafters) + ["prompt lookup"] * config.prompt_lookup
+    print(f"verifier serving gRPC on {config.host}:{port}{http_note} ({' + '.join(drafting) or 'plain decoding'})",
+          flush=True)
 
     def drain() -> None:
         # Running and queued requests finish (new ones are refused), within the drain budget.

@@ -177,3 +177,35 @@ def test_bench_serve_sends_the_held_out_prompts_in_smollm2s_own_template(directo
     decoded = [tokenizer.decode(p, skip_special_tokens=False) for p in pool]
     short_chats = [t for p, t in zip(pool, decoded) if len(p) < 96 and t.endswith("<|im_start|>assistant\n")]
     assert short_chats and all(t.startswith("<|im_start|>system\n") for t in short_chats)
+
+
+@pytest.mark.parametrize("with_drafter", [True, False])
+def test_the_verifier_service_with_prompt_lookup_returns_plain_greedy_output(directory, ours, chat_prompts, tmp_path,
+                                                                              with_drafter):
+    """`--prompt-lookup` beside a drafter service (`LookupHybridDrafter` over the remote pool),
+    and alone (n-gram speculation): through gRPC, every block verified (no cost model), the
+    output is plain greedy decoding's and the verifier did verify drafted tokens."""
+    from services.client import metrics
+    from services.common.config import ServiceConfig
+    from services.common.server import open_channel
+    from services.up import Stack, StackConfig, stack_ports
+    from specd._proto.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+    from specd.models.loading import save_model
+
+    drafter = ""
+    if with_drafter:
+        save_model(_drafter("d3d-sync", ours, 2).model, tmp_path / "drafter")
+        drafter = str(tmp_path / "drafter")
+    prompts = chat_prompts[:2]
+    expected = [g.token_ids for g in autoregressive(ours, prompts, SamplingParams(max_tokens=24))]
+    config = StackConfig(target=str(directory), drafter=drafter, **stack_ports(), trainer=False, block_size=8,
+                         max_num_seqs=2, mode="sync", verifier_args=["--prompt-lookup", "--no-adaptive-block"])
+    with Stack(config) as stack:
+        if with_drafter:
+            stack.wait_drafting()
+        stub = verifier_pb2_grpc.VerifierStub(open_channel(stack.verifiers[0].grpc, ServiceConfig()))
+        for prompt, want in zip(prompts, expected):
+            request = verifier_pb2.GenerateRequest(prompt_token_ids=prompt,
+                                                   params=common_pb2.SamplingParams(max_tokens=24))
+            assert [t for m in stub.Generate(request, timeout=300) for t in m.token_ids] == want
+        assert metrics(stack.verifiers[0].http)["specd:spec_decode_num_draft_tokens_total"] > 0
