@@ -41,19 +41,33 @@ class Deployment:
     name: str
     drafters: int
     mode: str = "async"
+    lookup: bool = False
+    """Prompt lookup in the verifier (``--prompt-lookup``): beside the drafters, or alone."""
 
     @property
     def speculative(self) -> bool:
-        return self.drafters > 0
+        return self.drafters > 0 or self.lookup
+
+    @property
+    def takes_turns(self) -> bool:
+        """Its processes never run passes at once (plain, lookup alone, sync: the verifier waits
+        for its drafter), so each gets the whole machine; an async deployment's drafter runs
+        beside verification, so the machine is split between them (`StackConfig.pin`)."""
+        return self.mode == "sync" or self.drafters == 0
 
 
 DEPLOYMENTS = (
     Deployment(name="plain", drafters=0),
+    Deployment(name="lookup", drafters=0, mode="sync", lookup=True),
     Deployment(name="sync 1:1", drafters=1, mode="sync"),
     Deployment(name="sync 2:1", drafters=2, mode="sync"),
     Deployment(name="async 1:1", drafters=1, mode="async"),
     Deployment(name="async 2:1", drafters=2, mode="async"),
+    Deployment(name="sync 1:1 +lookup", drafters=1, mode="sync", lookup=True),
+    Deployment(name="async 1:1 +lookup", drafters=1, mode="async", lookup=True),
 )
+DEFAULT_DEPLOYMENTS = ("plain", "sync 1:1", "sync 2:1", "async 1:1", "async 2:1")
+"""What runs without ``--deployments`` (the simulator models these: `specd plan --compare-serve`)."""
 
 
 @dataclass(kw_only=True)
@@ -73,7 +87,7 @@ class ServeSettings:
     pin: bool = True
     client: str = "http"
     """"http": streaming OpenAI completions; "grpc": the verifier's Generate stream."""
-    deployments: tuple[str, ...] = tuple(d.name for d in DEPLOYMENTS)
+    deployments: tuple[str, ...] = DEFAULT_DEPLOYMENTS
     repeats: int = 1
     """Rounds over every deployment (module docstring); each row reports the median round."""
 
@@ -162,21 +176,26 @@ def bench_serve(settings: ServeSettings, target: str, drafter: str) -> list[Serv
     return _median_rounds(rounds)
 
 
+def stack_config(settings: ServeSettings, deployment: Deployment, target: str, drafter: str, cores: int) -> StackConfig:
+    """One deployment's processes on a machine of ``cores`` cores. Plain decoding gets the whole
+    machine, as a user without speculation would run it: unpinned, a thread per core. So does
+    every process of a deployment that takes turns (`Deployment.takes_turns`); an async
+    deployment's processes are pinned apart (the verifier a core of its own first:
+    `StackConfig.pin`)."""
+    whole = ["--threads", str(cores)] if deployment.takes_turns else []
+    return StackConfig(target=target, drafter=drafter if deployment.drafters else "",
+                       drafters=deployment.drafters, verifiers=1, trainer=False, mode=deployment.mode,
+                       block_size=settings.block_size, max_num_seqs=settings.max_num_seqs,
+                       pin=settings.pin and not deployment.takes_turns,
+                       verifier_args=whole + ["--prompt-lookup"] * deployment.lookup, drafter_args=whole,
+                       verifier_http_port=18000, verifier_grpc_port=51051, drafter_port=51052)
+
+
 def _serve_deployment(settings: ServeSettings, deployment: Deployment, target: str, drafter: str,
                       pool: list[list[int]], progress: tqdm, label: str) -> list[ServeRow]:
-    """Start one deployment's processes and drive every concurrency level through it.
-
-    Plain decoding gets the whole machine, as a user without speculation would run it: its
-    verifier unpinned, with a thread per core. A speculative deployment gets the same machine
-    split between its processes (`StackConfig.pin`: the verifier a core of its own first)."""
+    """Start one deployment's processes (`stack_config`) and drive every level through it."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    whole_machine = not deployment.speculative
-    config = StackConfig(target=target, drafter=drafter if deployment.speculative else "",
-                         drafters=deployment.drafters, verifiers=1, trainer=False, mode=deployment.mode,
-                         block_size=settings.block_size, max_num_seqs=settings.max_num_seqs,
-                         pin=settings.pin and not whole_machine,
-                         verifier_args=["--threads", str(cores)] if whole_machine else [],
-                         verifier_http_port=18000, verifier_grpc_port=51051, drafter_port=51052)
+    config = stack_config(settings, deployment, target, drafter, cores)
     rows = []
     with Stack(config) as stack, clients_off_verifier_cores(stack):
         base = stack.verifiers[0].http

@@ -104,8 +104,8 @@ def compare_serve(profile: Profile, serve: dict, *, seeds: int = 3, use_measured
     for row in serve["rows"]:
         if not row.get("requests"):
             continue  # a level that completed nothing has nothing to compare
-        if row.get("temperature", 0.0):
-            continue  # the profile's acceptance is greedy: sampled rows have nothing to compare with
+        if row.get("temperature", 0.0) or "lookup" in row["deployment"]:
+            continue  # the profile's acceptance is greedy and the model's: nothing to compare with
         config = deployment_config(row["deployment"], settings)
         if row.get("drafter_cores"):
             # Drafter processes pinned to fewer cores than there are processes take turns on them.

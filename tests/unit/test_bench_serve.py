@@ -50,3 +50,18 @@ def test_each_temperature_is_divided_by_plain_decoding_at_that_temperature():
     assert rows[1].speedup == pytest.approx(0.5) and rows[3].speedup == pytest.approx(0.9)
     # With rounds, a row is matched to the same (deployment, concurrency, temperature) of each round.
     assert [r.temperature for r in _median_rounds([rows, rows])] == [0.0, 0.0, 1.0, 1.0]
+
+
+def test_plain_and_turn_taking_deployments_get_the_whole_machine_async_ones_split_it():
+    from services.bench import DEPLOYMENTS, ServeSettings, stack_config
+
+    by_name = {d.name: d for d in DEPLOYMENTS}
+    configs = {name: stack_config(ServeSettings(), d, "t", "d", cores=2) for name, d in by_name.items()}
+    for name in ("plain", "lookup", "sync 1:1", "sync 1:1 +lookup"):
+        assert not configs[name].pin and configs[name].verifier_args[:2] == ["--threads", "2"], name
+    assert configs["sync 1:1"].drafter_args == ["--threads", "2"] and configs["sync 1:1"].drafter == "d"
+    for name in ("async 1:1", "async 2:1", "async 1:1 +lookup"):
+        assert configs[name].pin and "--threads" not in configs[name].verifier_args, name
+    assert [n for n, c in configs.items() if "--prompt-lookup" in c.verifier_args] == [
+        "lookup", "sync 1:1 +lookup", "async 1:1 +lookup"]
+    assert configs["plain"].drafter == configs["lookup"].drafter == ""  # no drafter processes
