@@ -20,7 +20,6 @@ A table, JSON and PNG plots. ``--quick`` runs fewer levels and requests (minutes
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,7 +28,7 @@ from matplotlib.figure import Figure
 from tqdm import tqdm
 
 from services.client import metrics
-from services.load import clients_off_verifier_cores, run_level, sender
+from services.load import clients_off_verifier_cores, deployment_stack, machine_cores, run_level, sender
 from services.up import Stack, StackConfig, zoo_model
 from specd.engine import tau
 from specd.flags import default_of
@@ -47,13 +46,6 @@ class Deployment:
     @property
     def speculative(self) -> bool:
         return self.drafters > 0 or self.lookup
-
-    @property
-    def takes_turns(self) -> bool:
-        """Its processes never run passes at once (plain, lookup alone, sync: the verifier waits
-        for its drafter), so each gets the whole machine; an async deployment's drafter runs
-        beside verification, so the machine is split between them (`StackConfig.pin`)."""
-        return self.mode == "sync" or self.drafters == 0
 
 
 DEPLOYMENTS = (
@@ -177,25 +169,17 @@ def bench_serve(settings: ServeSettings, target: str, drafter: str) -> list[Serv
 
 
 def stack_config(settings: ServeSettings, deployment: Deployment, target: str, drafter: str, cores: int) -> StackConfig:
-    """One deployment's processes on a machine of ``cores`` cores. Plain decoding gets the whole
-    machine, as a user without speculation would run it: unpinned, a thread per core. So does
-    every process of a deployment that takes turns (`Deployment.takes_turns`); an async
-    deployment's processes are pinned apart (the verifier a core of its own first:
-    `StackConfig.pin`)."""
-    whole = ["--threads", str(cores)] if deployment.takes_turns else []
-    return StackConfig(target=target, drafter=drafter if deployment.drafters else "",
-                       drafters=deployment.drafters, verifiers=1, trainer=False, mode=deployment.mode,
-                       block_size=settings.block_size, max_num_seqs=settings.max_num_seqs,
-                       pin=settings.pin and not deployment.takes_turns,
-                       verifier_args=whole + ["--prompt-lookup"] * deployment.lookup, drafter_args=whole,
-                       verifier_http_port=18000, verifier_grpc_port=51051, drafter_port=51052)
+    """One deployment's processes on a machine of ``cores`` cores (`deployment_stack`)."""
+    return deployment_stack(target, drafter, drafters=deployment.drafters, mode=deployment.mode,
+                            lookup=deployment.lookup, pin=settings.pin, cores=cores, block_size=settings.block_size,
+                            max_num_seqs=settings.max_num_seqs, verifier_http_port=18000, verifier_grpc_port=51051,
+                            drafter_port=51052)
 
 
 def _serve_deployment(settings: ServeSettings, deployment: Deployment, target: str, drafter: str,
                       pool: list[list[int]], progress: tqdm, label: str) -> list[ServeRow]:
     """Start one deployment's processes (`stack_config`) and drive every level through it."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    config = stack_config(settings, deployment, target, drafter, cores)
+    config = stack_config(settings, deployment, target, drafter, machine_cores())
     rows = []
     with Stack(config) as stack, clients_off_verifier_cores(stack):
         base = stack.verifiers[0].http

@@ -8,7 +8,7 @@ no services installed, `specd bench profile` is the in-process part alone.
 
 A pass measured in one process is not what a deployment pays for it. The simulator's profile
 therefore also holds two measurements made through the same processes `specd bench serve`
-starts (`services.up.Stack`, pinned to cores the same way):
+starts (`services.up.Stack`, the machine split the same way: `services.load.deployment_stack`):
 
 - **Drafter round trips.** One drafter replica; this process plays the verifier with the
   verifier's own client (`services.verifier.drafter_pool.RemoteDrafters`), pinned off the
@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from services.client import metrics
 from services.common.config import ServiceConfig
-from services.load import clients_off_verifier_cores, off_cores, run_level, sender
+from services.load import clients_off_verifier_cores, deployment_stack, off_cores, run_level, sender
 from services.up import Stack, StackConfig, stack_ports
 from services.verifier.drafter_pool import RemoteDrafters
 from specd.bench import profile as bench_profile
@@ -84,8 +84,8 @@ def measure_verifier_serving(target_dir: str, pool: list[list[int]], *, levels: 
     speculating (``mode``) with one drafter replica — then the time outside the pass leaves out
     its blocking drafter calls too (the simulator times those from the drafter tables, scaled by
     the mean wait for one, ``draft_seconds``, over its own)."""
-    config = StackConfig(target=target_dir, drafter=drafter_dir, drafters=1 if drafter_dir else 0, verifiers=1,
-                         trainer=False, pin=pin, max_num_seqs=max_num_seqs, mode=mode, **stack_ports())
+    config = deployment_stack(target_dir, drafter_dir, drafters=1 if drafter_dir else 0, mode=mode, pin=pin,
+                              max_num_seqs=max_num_seqs, **stack_ports())
     out: dict[str, list] = {"concurrency": [], "requests": [], "rows": [], "passes": [], "target_seconds": [],
                             "overhead_seconds": [], "tokens_per_s": [], "trace": []}
     if drafter_dir:

@@ -22,7 +22,7 @@ import grpc
 from services.client import Completion, grpc_completion, stream_completion
 from services.common.config import ServiceConfig
 from services.common.server import open_channel
-from services.up import Stack
+from services.up import Stack, StackConfig
 from specd._proto.v1 import verifier_pb2_grpc
 
 Send = Callable[[list[int], int], Completion]
@@ -59,6 +59,26 @@ def run_level(send: Send, pool: list[list[int]], concurrency: int, requests: int
             future.result()
     results.sort(key=lambda item: item[0])  # the order they were sent
     return [r for _, r in results], time.perf_counter() - start, errors
+
+
+def machine_cores() -> int:
+    """The cores this process may run on (its affinity)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def deployment_stack(target: str, drafter: str, *, drafters: int, mode: str, lookup: bool = False, pin: bool = True,
+                     cores: int | None = None, **rest) -> StackConfig:
+    """One verifier with ``drafters`` drafter replicas (0: none) on this machine, as `specd bench
+    serve` deploys it and `specd bench profile` calibrates it. Processes that never run passes at
+    once (plain decoding, lookup alone, sync mode: the verifier waits for its drafter) each get
+    the whole machine: unpinned, a thread per core, as a user without speculation would run
+    plain decoding. In async mode the drafter runs beside verification, so the machine is split:
+    each process pinned to its own core where there are enough (`StackConfig.pin`)."""
+    takes_turns = mode == "sync" or drafters == 0
+    whole = ["--threads", str(cores or machine_cores())] if takes_turns else []
+    return StackConfig(target=target, drafter=drafter if drafters else "", drafters=drafters, verifiers=1,
+                       trainer=False, mode=mode, pin=pin and not takes_turns,
+                       verifier_args=whole + ["--prompt-lookup"] * lookup, drafter_args=whole, **rest)
 
 
 def sender(client: str, stack: Stack, model: str, temperature: float = 0.0) -> Send:
