@@ -408,13 +408,16 @@ def plot(rows: list[DecodeRow], settings: DecodeSettings, out_dir: Path) -> list
     ax.set_title(f"acceptance per position (batch {batch}, block {block}, T=0)")
     ax.legend()
     paths.append(_save(fig, out_dir / "acceptance_per_position.png"))
-    # Speedup vs batch.
+    # Speedup vs batch: only where the run has plain decoding to divide by (``--methods`` with ar).
+    if not any(r.method == "ar" for r in rows):
+        return paths
     fig = Figure(figsize=(8, 4))
     ax = fig.subplots()
     for method in methods:
         points = []
         for b in settings.batch_sizes:
-            chosen = [r.speedup for r in rows if r.method == method and r.batch == b and r.block == block and r.temperature == 0.0]
+            chosen = [r.speedup for r in rows if r.method == method and r.batch == b and r.block == block
+                      and r.temperature == 0.0 and not math.isnan(r.speedup)]
             if chosen:
                 points.append((b, sum(chosen) / len(chosen)))
         if points:
