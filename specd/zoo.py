@@ -290,7 +290,7 @@ def _train_into(out: Path, name: str, model: D3DModel, target_model, sequences: 
 # --lrs 5e-4,4e-3` gave held-out τ 1.53 / 1.76 at a block of 16 (5e-4 was the earlier recipe; 2e-3
 # gave 1.73 in the same computation run before the command existed).
 SMOLLM2 = "smollm2-135m"
-SMOLLM2_RESPONSES = {"per_domain": 512, "max_tokens": 128, "seed": 0, "greedy": 0.75, "chat_template": True,
+SMOLLM2_RESPONSES = {"per_domain": 1024, "max_tokens": 128, "seed": 0, "greedy": 0.75, "chat_template": True,
                      "batch": 64, "bf16": True}
 SMOLLM2_DRAFTER = {"num_hidden_layers": 4, "layers_from": [0, 1, 2, 3], "draft_vocab_size": 8192,
                    "mask_token": "<empty_output>"}
