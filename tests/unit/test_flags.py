@@ -86,14 +86,15 @@ VERIFIER_FLAGS = {
     "max-num-seqs", "max-waiting", "max-request-bytes", "max-model-len", "block-size", "mode", "candidate-budget",
     "adaptive-block", "selective-drafting", "draft-headroom", "drafter-timeout", "drafter-retry-seconds", "redis-url", "trace-stream",
     "trace-maxlen", "threads", "device", "attention-backend", "cuda-graphs", "tensor-parallel",
-    "async-target-threads",
+    "async-target-threads", "prompt-lookup",
 }
 
 
 def test_the_verifier_keeps_its_flags_and_its_engine_defaults():
     parser = _parser(VerifierConfig, env={})
     flags = {option[2:] for action in parser._actions for option in action.option_strings if option != "-h"}
-    assert flags - {"help"} == VERIFIER_FLAGS | {"no-adaptive-block", "no-selective-drafting", "no-cuda-graphs"}
+    assert flags - {"help"} == VERIFIER_FLAGS | {"no-adaptive-block", "no-selective-drafting", "no-cuda-graphs",
+                                                  "no-prompt-lookup"}
     config = parse_config(VerifierConfig, ["--model", "m"], {})
     # What main() passed to the engine before: the library's defaults but a 2 s drafter retry,
     # and draft_headroom 0 meaning None (full blocks).
