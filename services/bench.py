@@ -308,8 +308,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-prompt-tokens", type=int, default=default_of(ServeSettings, "max_prompt_tokens"),
                         help="the last this many tokens of each held-out prompt")
     parser.add_argument("--temperatures", default="0", help="comma-separated, e.g. 0 or 0,1 (default 0)")
-    parser.add_argument("--target", default="", help="target directory (default: the zoo's qwen3-tiny)")
-    parser.add_argument("--drafter", default="", help="drafter directory (default: the zoo's d3d-qwen3-tiny)")
+    parser.add_argument("--target", default="", help="target directory or zoo name, e.g. smollm2-135m (default: the zoo's qwen3-tiny)")
+    parser.add_argument("--drafter", default="", help="drafter directory or zoo name, e.g. d3d-smollm2-135m (default: the zoo's d3d-qwen3-tiny)")
     parser.add_argument("--no-pin", action="store_true", help="do not pin services to cores")
     parser.add_argument("--client", choices=["http", "grpc"], default="http",
                         help="drive the verifier's OpenAI HTTP API (default) or its gRPC Generate stream")
@@ -343,8 +343,8 @@ def run(args) -> int:
         if unknown:
             raise ValueError(f"unknown deployments {unknown}; choose from {[d.name for d in DEPLOYMENTS]}")
         settings.deployments = ("plain", *[n for n in names if n != "plain"])  # plain is the baseline
-    target = args.target or zoo_model("qwen3-tiny")
-    drafter = args.drafter or zoo_model("d3d-qwen3-tiny")
+    target = zoo_model(args.target or "qwen3-tiny")
+    drafter = zoo_model(args.drafter or "d3d-qwen3-tiny")
     rows = bench_serve(settings, target, drafter)
     print(format_table(rows))
     print("no-draft: the speedup if drafting cost the verifier nothing — tau x plain's step (pass + overhead) "
