@@ -43,10 +43,6 @@ class Deployment:
     lookup: bool = False
     """Prompt lookup in the verifier (``--prompt-lookup``): beside the drafters, or alone."""
 
-    @property
-    def speculative(self) -> bool:
-        return self.drafters > 0 or self.lookup
-
 
 DEPLOYMENTS = (
     Deployment(name="plain", drafters=0),

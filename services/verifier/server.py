@@ -329,7 +329,11 @@ def main(argv: list[str] | None = None) -> None:
         http = serve_http(app, config.http_host, config.http_port)
     grpc_server.set_serving()
     http_note = f", HTTP on {config.http_host}:{config.http_port}" if http else ""
-    drafting = [f"drafters {','.join(config.drafters)}"] * bool(drafters) + ["prompt lookup"] * config.prompt_lookup
+    drafting = []
+    if drafters:
+        drafting.append(f"drafters {','.join(config.drafters)}")
+    if config.prompt_lookup:
+        drafting.append("prompt lookup")
     print(f"verifier serving gRPC on {config.host}:{port}{http_note} ({' + '.join(drafting) or 'plain decoding'})",
           flush=True)
 
