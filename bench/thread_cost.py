@@ -2,7 +2,9 @@
 
 The serving engine runs its passes on a thread of its own (`specd.serving`, ``specd-engine``).
 This script times the same work on the main thread and on a second thread: one-row products, an
-attention over 300 keys, the LM head, and a greedy SmolLM2 decode. It also times the main thread
+attention over 300 keys, the LM head, and a greedy SmolLM2 decode. The second thread runs twice:
+beside the main thread's OpenMP pool (what the engine did before `specd.threads`), and after the
+main thread released it (`release_pool`, what the engine does now). It also times the main thread
 limited to one intra-op thread, for comparison. It prints a table and writes JSON.
 
     .venv/bin/python bench/thread_cost.py [--threads 2] [--json out/bench/thread_cost.json]
@@ -26,6 +28,7 @@ from specd import zoo
 from specd.engine import autoregressive
 from specd.models.loading import load_model
 from specd.sampling import SamplingParams
+from specd.threads import release_pool
 
 
 def _per_call(fn, calls: int) -> float:
@@ -67,11 +70,13 @@ def measure(threads: int) -> list[dict]:
     for name, (fn, calls, scale) in cases.items():
         main = _per_call(fn, calls) * scale
         other = _on_thread(lambda fn=fn, calls=calls: _per_call(fn, calls)) * scale
+        release_pool()  # the main thread's pool goes; the next case's main timing starts a new one
+        released = _on_thread(lambda fn=fn, calls=calls: _per_call(fn, calls)) * scale
         torch.set_num_threads(1)
         one = _per_call(fn, calls) * scale
         torch.set_num_threads(threads)
-        rows.append({"case": name, "main_thread": main, "other_thread": other, "main_one_thread": one,
-                     "other_over_main": other / main})
+        rows.append({"case": name, "main_thread": main, "other_thread": other, "other_thread_released": released,
+                     "main_one_thread": one, "other_over_main": other / main, "released_over_main": released / main})
     return rows
 
 
@@ -81,10 +86,11 @@ def main() -> None:
     parser.add_argument("--json", default="out/bench/thread_cost.json")
     args = parser.parse_args()
     rows = measure(args.threads)
-    print(f"{'case':<46}{'main':>9}{'other thread':>14}{'main, 1 thread':>16}{'other/main':>12}")
+    print(f"{'case':<46}{'main':>9}{'other thread':>14}{'released':>10}{'main, 1 thread':>16}"
+          f"{'other/main':>12}{'released/main':>15}")
     for r in rows:
-        print(f"{r['case']:<46}{r['main_thread']:>9.1f}{r['other_thread']:>14.1f}{r['main_one_thread']:>16.1f}"
-              f"{r['other_over_main']:>11.2f}x")
+        print(f"{r['case']:<46}{r['main_thread']:>9.1f}{r['other_thread']:>14.1f}{r['other_thread_released']:>10.1f}"
+              f"{r['main_one_thread']:>16.1f}{r['other_over_main']:>11.2f}x{r['released_over_main']:>14.2f}x")
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=2) + "\n")

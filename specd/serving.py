@@ -12,6 +12,11 @@ Streams are consumed from plain threads (`for delta in stream`) or from asyncio 
 loop thread hands deltas to an event loop with ``call_soon_threadsafe``, so an HTTP server does
 not spend a thread per open stream.
 
+Passes run on the loop thread only. The thread that builds the engine (which loaded the weights)
+frees its OpenMP pool (`specd.threads.release_pool`): with two pools on a small machine the
+loop's OpenMP workers would sleep between ops, and a SmolLM2 decode pass would cost nearly
+twice as much as on the main thread (``bench/thread_cost.py``).
+
 The lock `target_lock` is held during every step, so other users of the same target (the
 verifier's tree scoring for the trainer) interleave between steps instead of racing them.
 
@@ -50,6 +55,7 @@ from specd.drafters.base import Drafter
 from specd.engine import EngineConfig, EngineStats, SpeculativeEngine, check_prompt, tau
 from specd.sampling import SamplingParams
 from specd.scheduler import RunningSequence, Scheduler
+from specd.threads import release_pool
 
 logger = logging.getLogger(__name__)
 
@@ -209,6 +215,7 @@ class ServingEngine:
         self.error: BaseException | None = None
         """Why the loop died (None while it runs)."""
         self._ids = random.Random()  # drafter-side sequence ids: unique across verifiers
+        release_pool()  # the passes run on the loop's thread from here on (module docstring)
         self._thread = threading.Thread(target=self._loop, name="specd-engine", daemon=True)
         self._thread.start()
 

@@ -65,6 +65,7 @@ from specd.models.attention import BACKENDS
 from specd.models.d3d import D3DModel
 from specd.models.loading import ModelLoadError, load_model
 from specd.sampling import SamplingParams
+from specd.threads import ComputeThread, release_pool
 
 logger = logging.getLogger(__name__)
 
@@ -233,6 +234,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self._streams_lock = threading.Lock()
         self._draining = False
         self._tracer = get_tracer(__name__)
+        # Passes arrive on many request threads but compute on this one: one OpenMP pool per
+        # process keeps its workers spinning between ops (`specd.threads`).
+        self._compute = ComputeThread("specd-drafter-compute")
 
     # ------------------------------------------------------------------ weights
     def swap_weights(self, directory: str | Path, version: str) -> None:
@@ -251,6 +255,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             self.metrics.weight_refused.inc()
             logger.error("refusing drafter version %r from %s: %s; still serving %r", version, directory, err, self.version)
             raise
+        finally:
+            release_pool()  # loading computed on this thread: only the compute thread keeps a pool
         drafter = D3DDrafter(model, max_num_seqs=self.max_num_seqs, device=self.device)
         with self._lock:
             first = self.drafter is None
@@ -481,7 +487,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def _pass(self, kind: str, run: Callable[[], T], num_seqs: int) -> T:
         span = self._tracer.start_as_current_span(f"drafter.{kind}", attributes={"specd.num_seqs": num_seqs})
         with span, self.metrics.pass_seconds.time():
-            result = run()
+            result = self._compute.run(run)
         self.metrics.passes.inc()
         return result
 

@@ -54,6 +54,7 @@ from services.common.server import MAX_MESSAGE_BYTES, abort
 from services.common.tensor_channel import ChannelError, VerifierChannels, check_channel
 from services.common.wire import tensor_to_proto, tree_from_proto
 from specd._proto.v1 import common_pb2, verifier_pb2
+from specd.threads import release_pool
 from specd.train.specopd import LocalScorer
 from specd.tree import TokenTree
 
@@ -142,6 +143,9 @@ class ScoreHandler:
                     # Kernels still queued when the lock is released would run ahead of the next
                     # engine step all the same: the hold is only bounded if the chunk has finished.
                     torch.accelerator.synchronize(self.device)
+            # This request thread computed: free its OpenMP pool, or the engine's thread would
+            # share the CPUs with a second pool and its workers stop spinning (`specd.threads`).
+            release_pool()
         return probs
 
     def _chunks(self, sequences: list[_Sequence]) -> list[list[_Sequence]]:

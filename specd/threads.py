@@ -1,0 +1,114 @@
+"""One computing thread per process: OpenMP's workers only spin while the process has one pool.
+
+libgomp, the OpenMP runtime of PyTorch's Linux CPU wheels, gives every thread that starts a
+parallel region a pool of worker threads of its own and keeps it until that thread ends. Between
+two regions the workers spin, so the next region starts in microseconds, but only while the
+threads of all pools together do not outnumber the CPUs the process may use; past that they sleep
+after a few spins (``gomp_throttled_spin_count``, at most 1000 whatever ``OMP_WAIT_POLICY`` or
+``GOMP_SPINCOUNT`` say) and every region pays a futex wake-up. A server that loads its weights on
+the main thread (one pool) and runs its passes on another thread (a second pool) is past that
+line on a 2-core machine, and each of the hundreds of small parallel ops in a decode pass pays
+the wake-up: ``bench/thread_cost.py`` measures the cost.
+
+So a process runs its passes on one thread, and every other thread that computed frees its pool:
+
+- `release_pool` frees the calling thread's pool (OpenMP 5's ``omp_pause_resource_all``, which
+  libgomp implements as "free this thread's pool"). The serving engine calls it on the thread
+  that built it (which loaded the weights) before its own loop computes; a thread that runs an
+  occasional pass (the verifier's Score) calls it when done.
+- `ComputeThread` runs callables on one long-lived thread, for a server whose passes arrive on
+  many request threads (the drafter service).
+
+Only libgomp is released: LLVM's and Intel's runtimes pause the whole process instead, which
+would stall a pass on another thread; there (and without OpenMP) `release_pool` does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+from queue import SimpleQueue
+from typing import Callable, TypeVar
+
+import torch  # noqa: F401  (loads libgomp, which `release_pool` looks up)
+
+T = TypeVar("T")
+
+_OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: keep the runtime's state, free the threads
+
+
+def _libgomp() -> ctypes.CDLL | None:
+    """The libgomp this process has loaded (torch's own copy), or None."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:  # not Linux
+        return None
+    for line in maps.splitlines():
+        path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+        if Path(path).name.startswith("libgomp"):
+            try:
+                library = ctypes.CDLL(path)
+            except OSError:
+                return None
+            return library if hasattr(library, "omp_pause_resource_all") else None
+    return None
+
+
+_GOMP: ctypes.CDLL | None | bool = False  # False: not looked up yet
+
+
+def release_pool() -> bool:
+    """Free the calling thread's OpenMP worker threads (libgomp only; module docstring). The
+    next parallel op on this thread starts a new pool, so this is safe anywhere outside a
+    parallel region. True when a pool was released (or there was none to release)."""
+    global _GOMP
+    if _GOMP is False:
+        _GOMP = _libgomp()
+    if _GOMP is None:
+        return False
+    return _GOMP.omp_pause_resource_all(_OMP_PAUSE_SOFT) == 0
+
+
+class ComputeThread:
+    """Runs callables one at a time on one long-lived thread and hands back their results (or
+    raises their exceptions) to the caller: the passes of a server whose requests arrive on
+    many threads all compute on this one, so the process keeps a single OpenMP pool."""
+
+    def __init__(self, name: str = "specd-compute") -> None:
+        self._jobs: SimpleQueue[tuple[Callable[[], object], Future] | None] = SimpleQueue()
+        self._lock = threading.Lock()  # a job is queued before the closing sentinel, or refused
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on the compute thread (inline when called from it); blocks until it is done."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        future: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the compute thread was closed: no more passes can run on it")
+            self._jobs.put((fn, future))
+        return future.result()
+
+    def close(self) -> None:
+        """Finish the queued calls, then end the thread (its pool goes with it)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._jobs.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, future = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as err:  # handed to the caller, who raises it
+                    future.set_exception(err)

@@ -1,0 +1,89 @@
+"""One computing thread per process: a released OpenMP pool really ends its workers, and
+`ComputeThread` runs every call on one thread with the caller's results and errors."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from specd.threads import ComputeThread, _libgomp, release_pool
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _wait_for(predicate, seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or _libgomp() is None,
+                    reason="needs Linux and torch built with libgomp")
+def test_release_pool_ends_the_calling_threads_openmp_workers():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(3)
+    seen: dict[str, int | bool] = {}
+
+    def work() -> None:  # a fresh thread: its pool is its own
+        before = _os_threads()
+        for _ in range(3):
+            torch.randn(256, 256) @ torch.randn(256, 256)  # a parallel region: this thread's pool starts
+        seen["with_pool"] = _os_threads()
+        seen["released"] = release_pool()
+        seen["ended"] = _wait_for(lambda: _os_threads() == before)
+        torch.randn(256, 256) @ torch.randn(256, 256)  # a new pool, the same sums
+        seen["again"] = _os_threads()
+        release_pool()
+
+    try:
+        thread = threading.Thread(target=work)
+        thread.start()
+        thread.join()
+    finally:
+        torch.set_num_threads(previous)
+    assert seen["released"] is True
+    assert seen["with_pool"] >= 3, seen  # this thread, its 2 workers and pytest's own
+    assert seen["ended"], f"the pool's workers did not end: {seen}"
+    assert seen["again"] == seen["with_pool"], seen
+
+
+def test_compute_thread_runs_every_call_on_one_thread():
+    compute = ComputeThread("test-compute")
+    callers = []
+
+    def call(i: int) -> tuple[int, str]:
+        return compute.run(lambda: (i * i, threading.current_thread().name))
+
+    threads = [threading.Thread(target=lambda i=i: callers.append(call(i))) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(value for value, _ in callers) == [i * i for i in range(8)]
+    assert {name for _, name in callers} == {"test-compute"}
+    # A call from the compute thread itself runs inline instead of waiting for itself.
+    assert compute.run(lambda: compute.run(lambda: 7)) == 7
+    compute.close()
+
+
+def test_compute_thread_hands_errors_back_and_refuses_after_close():
+    compute = ComputeThread()
+
+    def fail() -> None:
+        raise ValueError("bad block")
+
+    with pytest.raises(ValueError, match="bad block"):
+        compute.run(fail)
+    assert compute.run(lambda: 1) == 1  # an error does not end the thread
+    compute.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        compute.run(lambda: 1)
