@@ -42,7 +42,7 @@ demo: setup
 	$(BIN)/specd zoo list
 	$(BIN)/specd generate --model smollm2-135m --chat --max-tokens 64 \
 	  --prompt "Write a Python function that parses an HTTP header line into a name and a value."
-	$(BIN)/specd up --demo
+	$(BIN)/specd up --demo --prompt-lookup --mode sync
 	$(BIN)/specd up --demo --target qwen3-tiny
 
 # Regenerate specd/_proto/v1 from proto/specd/v1 (a test fails when the checked-in stubs are stale).

@@ -78,7 +78,7 @@ def deployment_stack(target: str, drafter: str, *, drafters: int, mode: str, loo
     whole = ["--threads", str(cores or machine_cores())] if takes_turns else []
     return StackConfig(target=target, drafter=drafter if drafters else "", drafters=drafters, verifiers=1,
                        trainer=False, mode=mode, pin=pin and not takes_turns,
-                       verifier_args=whole + ["--prompt-lookup"] * lookup, drafter_args=whole, **rest)
+                       prompt_lookup=lookup, verifier_args=whole, drafter_args=whole, **rest)
 
 
 def sender(client: str, stack: Stack, model: str, temperature: float = 0.0) -> Send:

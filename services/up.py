@@ -82,6 +82,9 @@ class StackConfig:
     verifiers: int = 1
     plain_verifiers: int = 0
     """Extra verifiers with no drafters (plain decoding), for side-by-side comparisons."""
+    prompt_lookup: bool = False
+    """The (speculative) verifiers also draft by prompt lookup (``--prompt-lookup``): beside the
+    drafters, or alone where there are none. The plain verifiers never do."""
     trainer: bool = True
     redis_url: str = ""
     """Use this Redis instead of starting one."""
@@ -214,7 +217,8 @@ class Stack:
             args = ["--model", c.target, "--port", str(grpc_port), "--host", c.host,
                     "--http-port", str(http_port), "--http-host", c.host, "--redis-url", self.redis_url,
                     "--drafters", ",".join(drafter_addresses), "--block-size", str(c.block_size),
-                    "--mode", c.mode, "--max-num-seqs", str(c.max_num_seqs), *drain, *c.verifier_args]
+                    "--mode", c.mode, "--max-num-seqs", str(c.max_num_seqs), *drain,
+                    *(["--prompt-lookup"] if c.prompt_lookup else []), *c.verifier_args]
             self._spawn(f"verifier-{i}", "services.verifier", args, grpc=f"{c.host}:{grpc_port}",
                         http=f"http://{c.host}:{http_port}", core=cores[("verifier", i)])
         for i in range(c.plain_verifiers):
@@ -537,6 +541,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--block-size", type=int, default=StackConfig.block_size,
                         help="most drafted tokens verified per sequence per pass")
     parser.add_argument("--mode", choices=["async", "sync"], default=StackConfig.mode)
+    parser.add_argument("--prompt-lookup", action="store_true",
+                        help="the verifiers also draft by prompt lookup (alone where there is no drafter)")
     parser.add_argument("--auth-token", default="", help="bearer token every service requires")
     parser.add_argument("--pin", action="store_true", help="pin each service to its own core where possible")
     parser.add_argument("--workdir", default="", help="logs and trainer checkpoints (default: a temporary directory)")
@@ -579,7 +585,7 @@ def _default_drafter(target: str) -> str:
     if name not in {m.name for m in zoo.MODELS}:
         return ""
     if not zoo.is_built(name):
-        print(f"specd up: the zoo's drafter {name} is not built, so the verifiers decode plain; "
+        print(f"specd up: the zoo's drafter {name} is not built, so no drafter runs; "
               f"`specd zoo build --only {name}` builds it", file=sys.stderr)
         return ""
     return str(zoo.model_path(name))
@@ -599,12 +605,17 @@ def run(args) -> int:
         drafters=args.drafters, verifiers=args.verifiers, trainer=not args.no_trainer,
         redis_url=args.redis_url, verifier_http_port=args.http_port, verifier_grpc_port=args.grpc_port,
         drafter_port=args.drafter_port, trainer_port=args.trainer_port, block_size=args.block_size,
-        mode=args.mode, auth_token=args.auth_token, pin=args.pin or args.demo, workdir=args.workdir,
-        plain_verifiers=1 if args.demo and drafter else 0, drain_seconds=args.drain_seconds, restart=True,
+        mode=args.mode, prompt_lookup=args.prompt_lookup, auth_token=args.auth_token, workdir=args.workdir,
+        # Only an async drafter runs beside verification and needs a core of its own; otherwise
+        # each process gets the whole machine in turn (the rule `specd bench serve` deploys by).
+        pin=args.pin or (args.demo and bool(drafter) and args.mode == "async"),
+        plain_verifiers=1 if args.demo and (drafter or args.prompt_lookup) else 0,
+        drain_seconds=args.drain_seconds, restart=True,
         restart_delay=args.restart_delay, max_restart_delay=args.max_restart_delay,
     )
     stack = Stack(config)
     drafting = (f"{'trainer, ' if config.trainer else ''}{config.drafters} drafter(s), " if drafter
+                else "no drafter, prompt lookup, " if config.prompt_lookup
                 else "no drafter for this target (plain decoding), ")
     print(f"starting redis, {drafting}{config.verifiers} verifier(s) of {Path(target).name} ... "
           f"(logs in {stack.workdir})", flush=True)
@@ -636,11 +647,14 @@ def run(args) -> int:
 
 
 def _demo(stack: Stack, token: str) -> int:
+    """Stream one chat answer through the speculative verifier, then the same request through the
+    plain one; print both rates with τ and the candidate hit rate side by side. 1 when the greedy
+    outputs differ (they must not: verification is lossless)."""
     from services.client import metrics, stream_completion
 
     body = {"model": Path(stack.config.target).name, "max_tokens": 96, "temperature": 0,
             "messages": [{"role": "user", "content": DEMO_PROMPT}]}
-    if not stack.plain:  # no drafter: one plain verifier, nothing to compare with
+    if not stack.plain:  # no drafter and no prompt lookup: one plain verifier, nothing to compare with
         url = stack.verifiers[0].http
         stream_completion(url, "/v1/chat/completions", {**body, "max_tokens": 4}, token=token)  # warm up
         print(f"\nuser: {DEMO_PROMPT}\nassistant ({body['model']}, plain decoding): ", end="", flush=True)
@@ -648,13 +662,16 @@ def _demo(stack: Stack, token: str) -> int:
                                    on_text=lambda text: print(text, end="", flush=True))
         rate = result.completion_tokens / result.seconds if result.seconds else 0.0
         print(f"\n\n{result.completion_tokens} tokens in {result.seconds:.2f} s ({rate:.1f} tok/s) through the "
-              f"OpenAI-compatible API; `specd up --demo --target qwen3-tiny` shows speculative decoding")
+              f"OpenAI-compatible API; `specd up --demo --prompt-lookup` shows speculative decoding")
         return 0
+    config = stack.config
+    how = " + ".join(["D3D"] * bool(config.drafter) + ["prompt lookup"] * config.prompt_lookup)
+    how += f", {config.mode} drafting" if config.drafter else ""
     speculative, plain = stack.verifiers[0].http, stack.plain[0].http
     stream_completion(plain, "/v1/chat/completions", {**body, "max_tokens": 4}, token=token)  # warm up both
     stream_completion(speculative, "/v1/chat/completions", {**body, "max_tokens": 4}, token=token)
     before = metrics(speculative)
-    print(f"\nuser: {DEMO_PROMPT}\nassistant (D3D, asynchronous drafting): ", end="", flush=True)
+    print(f"\nuser: {DEMO_PROMPT}\nassistant ({body['model']}; {how}): ", end="", flush=True)
     spec = stream_completion(speculative, "/v1/chat/completions", body, token=token,
                              on_text=lambda text: print(text, end="", flush=True))
     after = metrics(speculative)
@@ -666,13 +683,15 @@ def _demo(stack: Stack, token: str) -> int:
 
     measured_tau = tau(delta("specd:spec_decode_num_accepted_tokens_total"), delta("specd:num_sequence_passes_total"))
     lookups = delta("specd:spec_decode_num_candidate_lookups_total")
-    hit_rate = delta("specd:spec_decode_num_candidate_hits_total") / lookups if lookups else 0.0
-    same = "identical" if spec.text == base.text else "DIFFERENT (a bug: greedy output must match)"
-    print(f"\n{'':<28}{'tokens':>8}{'seconds':>10}{'tok/s':>9}")
-    for name, result in (("plain decoding", base), ("speculative (D3D, async)", spec)):
-        rate = result.completion_tokens / result.seconds if result.seconds else 0.0
-        print(f"{name:<28}{result.completion_tokens:>8}{result.seconds:>10.2f}{rate:>9.1f}")
-    speedup = (spec.completion_tokens / spec.seconds) / (base.completion_tokens / base.seconds) if base.seconds and spec.seconds else 0.0
-    print(f"\ntau {measured_tau:.2f} tokens per sequence pass, candidate hit rate {hit_rate:.0%}, "
-          f"speedup {speedup:.2f}x over plain decoding; outputs {same}")
-    return 0 if spec.text == base.text else 1
+    hit_rate = f"{delta('specd:spec_decode_num_candidate_hits_total') / lookups:.0%}" if lookups else "-"
+    rates = [r.completion_tokens / r.seconds if r.seconds else 0.0 for r in (base, spec)]
+    width = max(len(how), len("plain decoding")) + 2
+    print(f"\n{'':<{width}}{'tokens':>8}{'seconds':>10}{'tok/s':>9}{'tau':>7}{'hit rate':>10}")
+    print(f"{'plain decoding':<{width}}{base.completion_tokens:>8}{base.seconds:>10.2f}{rates[0]:>9.1f}{1.0:>7.2f}{'-':>10}")
+    print(f"{how:<{width}}{spec.completion_tokens:>8}{spec.seconds:>10.2f}{rates[1]:>9.1f}{measured_tau:>7.2f}"
+          f"{hit_rate:>10}")
+    same = spec.text == base.text
+    speedup = rates[1] / rates[0] if rates[0] else 0.0
+    print(f"\nspeedup {speedup:.2f}x over plain decoding; greedy outputs "
+          f"{'identical' if same else 'DIFFERENT (a bug: greedy output must match)'}")
+    return 0 if same else 1

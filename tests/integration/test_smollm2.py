@@ -184,7 +184,8 @@ def test_the_verifier_service_with_prompt_lookup_returns_plain_greedy_output(dir
                                                                               with_drafter):
     """`--prompt-lookup` beside a drafter service (`LookupHybridDrafter` over the remote pool),
     and alone (n-gram speculation): through gRPC, every block verified (no cost model), the
-    output is plain greedy decoding's and the verifier did verify drafted tokens."""
+    output is plain greedy decoding's and the verifier did verify drafted tokens; the stack's
+    plain verifier gives the same output without drafting."""
     from services.client import metrics
     from services.common.config import ServiceConfig
     from services.common.server import open_channel
@@ -199,13 +200,17 @@ def test_the_verifier_service_with_prompt_lookup_returns_plain_greedy_output(dir
     prompts = chat_prompts[:2]
     expected = [g.token_ids for g in autoregressive(ours, prompts, SamplingParams(max_tokens=24))]
     config = StackConfig(target=str(directory), drafter=drafter, **stack_ports(), trainer=False, block_size=8,
-                         max_num_seqs=2, mode="sync", verifier_args=["--prompt-lookup", "--no-adaptive-block"])
+                         max_num_seqs=2, mode="sync", prompt_lookup=True, plain_verifiers=1,
+                         verifier_args=["--no-adaptive-block"])
     with Stack(config) as stack:
         if with_drafter:
             stack.wait_drafting()
-        stub = verifier_pb2_grpc.VerifierStub(open_channel(stack.verifiers[0].grpc, ServiceConfig()))
-        for prompt, want in zip(prompts, expected):
-            request = verifier_pb2.GenerateRequest(prompt_token_ids=prompt,
-                                                   params=common_pb2.SamplingParams(max_tokens=24))
-            assert [t for m in stub.Generate(request, timeout=300) for t in m.token_ids] == want
+        for verifier in (stack.verifiers[0], stack.plain[0]):
+            stub = verifier_pb2_grpc.VerifierStub(open_channel(verifier.grpc, ServiceConfig()))
+            for prompt, want in zip(prompts, expected):
+                request = verifier_pb2.GenerateRequest(prompt_token_ids=prompt,
+                                                       params=common_pb2.SamplingParams(max_tokens=24))
+                assert [t for m in stub.Generate(request, timeout=300) for t in m.token_ids] == want
         assert metrics(stack.verifiers[0].http)["specd:spec_decode_num_draft_tokens_total"] > 0
+        # The comparison verifier of the same stack decodes plainly: prompt lookup is not its.
+        assert metrics(stack.plain[0].http).get("specd:spec_decode_num_draft_tokens_total", 0.0) == 0

@@ -62,6 +62,6 @@ def test_plain_and_turn_taking_deployments_get_the_whole_machine_async_ones_spli
     assert configs["sync 1:1"].drafter_args == ["--threads", "2"] and configs["sync 1:1"].drafter == "d"
     for name in ("async 1:1", "async 2:1", "async 1:1 +lookup"):
         assert configs[name].pin and "--threads" not in configs[name].verifier_args, name
-    assert [n for n, c in configs.items() if "--prompt-lookup" in c.verifier_args] == [
+    assert [n for n, c in configs.items() if c.prompt_lookup] == [
         "lookup", "sync 1:1 +lookup", "async 1:1 +lookup"]
     assert configs["plain"].drafter == configs["lookup"].drafter == ""  # no drafter processes
