@@ -1,8 +1,8 @@
 """`specd bench serve`: end to end through the real services, as a client sees them.
 
 For each deployment — plain decoding, synchronous speculation and asynchronous D3D, with
-drafter:verifier ratios 1:1 and 2:1 — it starts the processes (`services.up.Stack`, each pinned
-to its own core where the machine has cores for it), then drives the verifier's HTTP API with a
+drafter:verifier ratios 1:1 and 2:1 — it starts the processes (`services.up.Stack`, the machine
+split by `services.load.deployment_stack`), then drives the verifier's HTTP API with a
 closed loop of C concurrent streaming clients (C in 1, 4, 16, 64), each sending held-out zoo
 prompts one after another. It reports output tokens/s, TTFT and TPOT p50/p99 per concurrency,
 and every deployment's tokens/s as a ratio to plain decoding at the same concurrency, measured in
@@ -72,7 +72,8 @@ class ServeSettings:
     the greedy rows)."""
     block_size: int = 8
     max_num_seqs: int = 64
-    pin: bool = True
+    pin: bool = False
+    """Async deployments pinned apart, a core per process, instead of sharing the machine."""
     client: str = "http"
     """"http": streaming OpenAI completions; "grpc": the verifier's Generate stream."""
     deployments: tuple[str, ...] = DEFAULT_DEPLOYMENTS
@@ -306,7 +307,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--temperatures", default="0", help="comma-separated, e.g. 0 or 0,1 (default 0)")
     parser.add_argument("--target", default="", help="target directory or zoo name, e.g. smollm2-135m (default: the zoo's qwen3-tiny)")
     parser.add_argument("--drafter", default="", help="drafter directory or zoo name, e.g. d3d-smollm2-135m (default: the zoo's d3d-qwen3-tiny)")
-    parser.add_argument("--no-pin", action="store_true", help="do not pin services to cores")
+    parser.add_argument("--pin", action="store_true",
+                        help="async deployments: pin the verifier and each drafter to cores of their own instead of "
+                             "sharing the machine (`services.load.deployment_stack`)")
     parser.add_argument("--client", choices=["http", "grpc"], default="http",
                         help="drive the verifier's OpenAI HTTP API (default) or its gRPC Generate stream")
     parser.add_argument("--repeats", type=int, default=1,
@@ -326,7 +329,7 @@ def _floats(text: str, flag: str) -> tuple[float, ...]:
 
 
 def run(args) -> int:
-    settings = ServeSettings(pin=not args.no_pin, max_tokens=args.max_tokens, client=args.client, repeats=args.repeats,
+    settings = ServeSettings(pin=args.pin, max_tokens=args.max_tokens, client=args.client, repeats=args.repeats,
                              max_prompt_tokens=args.max_prompt_tokens,
                              temperatures=_floats(args.temperatures, "--temperatures"))
     if args.quick:

@@ -66,19 +66,34 @@ def machine_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def deployment_stack(target: str, drafter: str, *, drafters: int, mode: str, lookup: bool = False, pin: bool = True,
+def deployment_stack(target: str, drafter: str, *, drafters: int, mode: str, lookup: bool = False, pin: bool = False,
                      cores: int | None = None, **rest) -> StackConfig:
     """One verifier with ``drafters`` drafter replicas (0: none) on this machine, as `specd bench
-    serve` deploys it and `specd bench profile` calibrates it. Processes that never run passes at
-    once (plain decoding, lookup alone, sync mode: the verifier waits for its drafter) each get
-    the whole machine: unpinned, a thread per core, as a user without speculation would run
-    plain decoding. In async mode the drafter runs beside verification, so the machine is split:
-    each process pinned to its own core where there are enough (`StackConfig.pin`)."""
+    serve` deploys it and `specd bench profile` calibrates it.
+
+    Processes that never compute at once (plain decoding, lookup alone, sync mode: the verifier
+    waits for its drafter) each get the whole machine: unpinned, a thread per core, as a user
+    without speculation would run plain decoding. In async mode a drafter drafts the next block
+    beside verification, so the cores are shared only then: the verifier has them all for a
+    step without a candidate pass and ``cores - drafters x drafter threads`` (at least 1) for a
+    step with one (``--async-target-threads``; its cost model measures which way a step pays,
+    `CostModel.should_overlap`), and each drafter an equal share (``--threads``). With ``pin``,
+    async processes are pinned apart instead, a core each (the planner's single-threaded
+    profile assumes that split)."""
+    cores = cores or machine_cores()
     takes_turns = mode == "sync" or drafters == 0
-    whole = ["--threads", str(cores or machine_cores())] if takes_turns else []
+    if takes_turns:
+        verifier_args = drafter_args = ["--threads", str(cores)]
+    elif pin:
+        verifier_args = drafter_args = []
+    else:
+        drafter_threads = max(1, cores // (drafters + 1))
+        beside = max(1, cores - drafters * drafter_threads)
+        verifier_args = ["--threads", str(cores), "--async-target-threads", str(beside)]
+        drafter_args = ["--threads", str(drafter_threads)]
     return StackConfig(target=target, drafter=drafter if drafters else "", drafters=drafters, verifiers=1,
-                       trainer=False, mode=mode, pin=pin and not takes_turns,
-                       prompt_lookup=lookup, verifier_args=whole, drafter_args=whole, **rest)
+                       trainer=False, mode=mode, pin=pin and not takes_turns, prompt_lookup=lookup,
+                       verifier_args=verifier_args, drafter_args=drafter_args, **rest)
 
 
 def sender(client: str, stack: Stack, model: str, temperature: float = 0.0) -> Send:

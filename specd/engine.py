@@ -158,11 +158,12 @@ class EngineConfig:
     async_target_threads: int | None = field(default=None, metadata={
         "help": "async: the target's intra-op threads while a candidate pass runs beside it (none = unchanged)",
         "none": 0})
-    """Async mode with an in-process drafter on a CPU: the intra-op threads of a target pass that
-    runs beside the drafter's candidate pass (the drafter's thread gets as many), so the two share
-    the cores instead of fighting over them. A step with no candidate pass beside it (a plain step:
-    the cost model turned speculation down) runs on the threads the engine was built with, all of
-    them. None: the engine never changes the thread count (a GPU, or a drafter in its own process)."""
+    """Async mode with a drafter on the same CPU (in process, or a drafter service on the same
+    machine): the intra-op threads of a target pass that runs beside the drafter's candidate pass,
+    so the two share the cores instead of fighting over them. A step with no candidate pass beside
+    it (a plain step, or one the cost model drafts after verification) runs on the threads the
+    engine was built with, all of them. None: the engine never changes the thread count (a GPU,
+    or a drafter on cores of its own)."""
     cuda_graphs: bool = field(default=False, metadata={
         "help": "replay decode/verification passes from CUDA graphs at fixed row buckets (full-attention targets)"})
     """Replay the target's decode and verification passes from CUDA graphs at fixed row buckets

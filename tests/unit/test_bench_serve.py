@@ -60,8 +60,19 @@ def test_plain_and_turn_taking_deployments_get_the_whole_machine_async_ones_spli
     for name in ("plain", "lookup", "sync 1:1", "sync 1:1 +lookup"):
         assert not configs[name].pin and configs[name].verifier_args[:2] == ["--threads", "2"], name
     assert configs["sync 1:1"].drafter_args == ["--threads", "2"] and configs["sync 1:1"].drafter == "d"
-    for name in ("async 1:1", "async 2:1", "async 1:1 +lookup"):
-        assert configs[name].pin and "--threads" not in configs[name].verifier_args, name
+    # Async: the verifier has both cores for a step without a candidate pass and one beside one;
+    # the drafter has the other. Pinned apart only when asked.
+    for name in ("async 1:1", "async 1:1 +lookup"):
+        assert not configs[name].pin, name
+        assert configs[name].verifier_args == ["--threads", "2", "--async-target-threads", "1"], name
+        assert configs[name].drafter_args == ["--threads", "1"], name
+    assert configs["async 2:1"].verifier_args[-1] == "1" and configs["async 2:1"].drafter_args == ["--threads", "1"]
+    pinned = stack_config(ServeSettings(pin=True), by_name["async 1:1"], "t", "d", cores=2)
+    assert pinned.pin and "--threads" not in pinned.verifier_args
+    assert not stack_config(ServeSettings(pin=True), by_name["sync 1:1"], "t", "d", cores=2).pin
+    # A bigger machine: the drafter's share grows with it.
+    big = stack_config(ServeSettings(), by_name["async 1:1"], "t", "d", cores=16)
+    assert big.verifier_args == ["--threads", "16", "--async-target-threads", "8"] and big.drafter_args == ["--threads", "8"]
     assert [n for n, c in configs.items() if c.prompt_lookup] == [
         "lookup", "sync 1:1 +lookup", "async 1:1 +lookup"]
     assert configs["plain"].drafter == configs["lookup"].drafter == ""  # no drafter processes
