@@ -77,7 +77,8 @@ def deployment_stack(target: str, drafter: str, *, drafters: int, mode: str, loo
     beside verification, so the cores are shared only then: the verifier has them all for a
     step without a candidate pass and ``cores - drafters x drafter threads`` (at least 1) for a
     step with one (``--async-target-threads``; its cost model measures which way a step pays,
-    `CostModel.should_overlap`), and each drafter an equal share (``--threads``). With ``pin``,
+    `CostModel.should_overlap`), and each drafter an equal share for the candidate pass beside it
+    (``--speculate-threads``; a Draft the verifier waits for has every core). With ``pin``,
     async processes are pinned apart instead, a core each (the planner's single-threaded
     profile assumes that split)."""
     cores = cores or machine_cores()
@@ -90,7 +91,8 @@ def deployment_stack(target: str, drafter: str, *, drafters: int, mode: str, loo
         drafter_threads = max(1, cores // (drafters + 1))
         beside = max(1, cores - drafters * drafter_threads)
         verifier_args = ["--threads", str(cores), "--async-target-threads", str(beside)]
-        drafter_args = ["--threads", str(drafter_threads)]
+        # A blocking Draft (a miss, or a step drafted after verification) has the machine to itself.
+        drafter_args = ["--threads", str(cores), "--speculate-threads", str(drafter_threads)]
     return StackConfig(target=target, drafter=drafter if drafters else "", drafters=drafters, verifiers=1,
                        trainer=False, mode=mode, pin=pin and not takes_turns, prompt_lookup=lookup,
                        verifier_args=verifier_args, drafter_args=drafter_args, **rest)

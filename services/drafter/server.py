@@ -13,7 +13,10 @@ Design choices:
 - **One packed pass at a time.** One lock covers the contexts and the drafter: a Draft call is one
   `D3DDrafter.draft` over all its items, each Speculate message one `D3DDrafter.speculate`.
   Concurrent callers queue on the lock (merging their passes is future work). Each verifier
-  keeps one Speculate stream open, which holds one of the server's worker threads.
+  keeps one Speculate stream open, which holds one of the server's worker threads. Every pass
+  computes on one compute thread whichever request thread asked (`specd.threads`); a Speculate
+  pass, which runs beside the verifier's pass, on ``--speculate-threads`` where the two share a
+  machine, a Draft (the verifier waits for it) on ``--threads``.
 - **Weight swaps without dropping anything.** `DrafterServicer.swap_weights` loads the new
   checkpoint outside the lock, then swaps in a fresh `D3DDrafter` under it. The old drafter's KV
   caches belong to the old weights, so they go; the stored contexts stay, so the next call of each
@@ -88,6 +91,9 @@ class DrafterConfig(ServiceConfig):
     attention_backend: str = field(default="auto", metadata={
         "help": "how attention runs: auto (flash-attn on CUDA when installed, else sdpa), sdpa, flex, flash, triton"})
     threads: int = field(default=1, metadata={"help": "torch intra-op threads (0 = torch's default, from OMP_NUM_THREADS)"})
+    speculate_threads: int = field(default=0, metadata={
+        "help": "intra-op threads of a Speculate pass, which runs beside the verifier's pass on a shared machine "
+                "(0 = --threads); Draft calls, which the verifier waits for, keep --threads"})
     dtype: str = field(default="auto", metadata={
         "help": "the drafter's dtype: auto (bf16 on a CPU that computes it natively, else the checkpoint's), checkpoint, float32, bfloat16"})
     trainer: str = field(default="", metadata={"help": "trainer address for GetCheckpoint (empty = no weight updates)"})
@@ -134,6 +140,8 @@ class DrafterConfig(ServiceConfig):
             raise ValueError(f"max_budget must be >= 0, got {self.max_budget}")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0 (0 = torch's default), got {self.threads}")
+        if self.speculate_threads < 0:
+            raise ValueError(f"speculate_threads must be >= 0 (0 = --threads), got {self.speculate_threads}")
         if bool(self.trainer) != bool(self.redis_url):
             raise ValueError(
                 "weight updates need both --trainer (where to fetch versions) and --redis-url (which "
@@ -218,6 +226,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         attention_backend: str = "auto",
         dtype: str = "checkpoint",
         metrics: DrafterMetrics | None = None,
+        speculate_threads: int = 0,
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_budget = max_budget
@@ -237,6 +246,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         # Passes arrive on many request threads but compute on this one: one OpenMP pool per
         # process keeps its workers spinning between ops (`specd.threads`).
         self._compute = ComputeThread("specd-drafter-compute")
+        # A Speculate pass runs beside the verifier's pass; where the two share a machine it gets
+        # its share of the cores, and a Draft (the verifier waits for it) the process's threads.
+        self._speculate_threads = speculate_threads
+        self._draft_threads = torch.get_num_threads()
 
     # ------------------------------------------------------------------ weights
     def swap_weights(self, directory: str | Path, version: str) -> None:
@@ -486,8 +499,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     def _pass(self, kind: str, run: Callable[[], T], num_seqs: int) -> T:
         span = self._tracer.start_as_current_span(f"drafter.{kind}", attributes={"specd.num_seqs": num_seqs})
+        threads = self._speculate_threads if kind == "speculate" and self._speculate_threads else self._draft_threads
+
+        def on_threads() -> T:  # on the compute thread, the only one computing: the setting is its own
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+            return run()
+
         with span, self.metrics.pass_seconds.time():
-            result = self._compute.run(run)
+            result = self._compute.run(on_threads)
         self.metrics.passes.inc()
         return result
 
@@ -516,6 +536,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     servicer = DrafterServicer(
         max_num_seqs=config.max_num_seqs, max_budget=config.max_budget, device=config.device,
         attention_backend=config.attention_backend, dtype=config.dtype, metrics=DrafterMetrics(prometheus_client.REGISTRY),
+        speculate_threads=config.speculate_threads,
     )
     # Each open Speculate stream (one per verifier) holds a worker thread for its lifetime.
     server = GrpcServer("specd-drafter", config, max_workers=256)  # also sets up tracing

@@ -65,14 +65,14 @@ def test_plain_and_turn_taking_deployments_get_the_whole_machine_async_ones_spli
     for name in ("async 1:1", "async 1:1 +lookup"):
         assert not configs[name].pin, name
         assert configs[name].verifier_args == ["--threads", "2", "--async-target-threads", "1"], name
-        assert configs[name].drafter_args == ["--threads", "1"], name
-    assert configs["async 2:1"].verifier_args[-1] == "1" and configs["async 2:1"].drafter_args == ["--threads", "1"]
+        assert configs[name].drafter_args == ["--threads", "2", "--speculate-threads", "1"], name
+    assert configs["async 2:1"].verifier_args[-1] == "1" and configs["async 2:1"].drafter_args[-1] == "1"
     pinned = stack_config(ServeSettings(pin=True), by_name["async 1:1"], "t", "d", cores=2)
     assert pinned.pin and "--threads" not in pinned.verifier_args
     assert not stack_config(ServeSettings(pin=True), by_name["sync 1:1"], "t", "d", cores=2).pin
     # A bigger machine: the drafter's share grows with it.
     big = stack_config(ServeSettings(), by_name["async 1:1"], "t", "d", cores=16)
-    assert big.verifier_args == ["--threads", "16", "--async-target-threads", "8"] and big.drafter_args == ["--threads", "8"]
+    assert big.verifier_args == ["--threads", "16", "--async-target-threads", "8"] and big.drafter_args[-1] == "8"
     assert [n for n, c in configs.items() if c.prompt_lookup] == [
         "lookup", "sync 1:1 +lookup", "async 1:1 +lookup"]
     assert configs["plain"].drafter == configs["lookup"].drafter == ""  # no drafter processes

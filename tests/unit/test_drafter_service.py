@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -172,6 +173,38 @@ def test_remote_blocks_and_candidates_equal_in_process(checkpoints):
             assert_same_block(got, want)
         assert pool.stats.num_resends == 1
         pool.close()
+
+
+def test_every_pass_runs_on_the_compute_thread_speculate_on_its_share_of_threads(checkpoints):
+    """Passes arrive on the server's request threads but all compute on the replica's one compute
+    thread (one OpenMP pool per process, `specd.threads`); a Speculate pass runs on
+    ``speculate_threads`` (it runs beside the verifier's pass), a Draft on the process's threads."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        servicer = DrafterServicer(max_num_seqs=4, metrics=DrafterMetrics(CollectorRegistry()), speculate_threads=1)
+        servicer.swap_weights(checkpoints["v1"], "v1")
+        seen: list[tuple[str, str, int]] = []
+        drafter = servicer.drafter
+        for kind in ("draft", "speculate"):
+            original = getattr(drafter, kind)
+
+            def recording(requests, kind=kind, original=original):
+                seen.append((kind, threading.current_thread().name, torch.get_num_threads()))
+                return original(requests)
+
+            setattr(drafter, kind, recording)
+        with serve(servicer, drafter_pb2_grpc.add_DrafterServicer_to_server, SERVICE_NAME) as (_, address):
+            pool = RemoteDrafters([address], CONFIG, timeout=30.0)
+            contexts, params = {1: prompt(1)}, {1: GREEDY}
+            blocks = {1: pool.draft(drafts(contexts, params))[0].tokens}
+            pool.speculate(speculations(contexts, blocks, params))
+            pool.draft(drafts({2: prompt(2)}, {2: GREEDY}))
+            pool.close()
+    finally:
+        torch.set_num_threads(previous)
+    assert [(kind, threads) for kind, _, threads in seen] == [("draft", 2), ("speculate", 1), ("draft", 2)]
+    assert {name for _, name, _ in seen} == {"specd-drafter-compute"}
 
 
 # ---------------------------------------------------------------------------- replicas
