@@ -22,7 +22,7 @@ import grpc
 from services.client import Completion, grpc_completion, stream_completion
 from services.common.config import ServiceConfig
 from services.common.server import open_channel
-from services.up import Stack, StackConfig
+from services.up import Stack, StackConfig, machine_cores, machine_split
 from specd._proto.v1 import verifier_pb2_grpc
 
 Send = Callable[[list[int], int], Completion]
@@ -61,40 +61,14 @@ def run_level(send: Send, pool: list[list[int]], concurrency: int, requests: int
     return [r for _, r in results], time.perf_counter() - start, errors
 
 
-def machine_cores() -> int:
-    """The cores this process may run on (its affinity)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def deployment_stack(target: str, drafter: str, *, drafters: int, mode: str, lookup: bool = False, pin: bool = False,
                      cores: int | None = None, **rest) -> StackConfig:
     """One verifier with ``drafters`` drafter replicas (0: none) on this machine, as `specd bench
-    serve` deploys it and `specd bench profile` calibrates it.
-
-    Processes that never compute at once (plain decoding, lookup alone, sync mode: the verifier
-    waits for its drafter) each get the whole machine: unpinned, a thread per core, as a user
-    without speculation would run plain decoding. In async mode a drafter drafts the next block
-    beside verification, so the cores are shared only then: the verifier has them all for a
-    step without a candidate pass and ``cores - drafters x drafter threads`` (at least 1) for a
-    step with one (``--async-target-threads``; its cost model measures which way a step pays,
-    `CostModel.should_overlap`), and each drafter an equal share for the candidate pass beside it
-    (``--speculate-threads``; a Draft the verifier waits for has every core). With ``pin``,
-    async processes are pinned apart instead, a core each (the planner's single-threaded
-    profile assumes that split)."""
-    cores = cores or machine_cores()
-    takes_turns = mode == "sync" or drafters == 0
-    if takes_turns:
-        verifier_args = drafter_args = ["--threads", str(cores)]
-    elif pin:
-        verifier_args = drafter_args = []
-    else:
-        drafter_threads = max(1, cores // (drafters + 1))
-        beside = max(1, cores - drafters * drafter_threads)
-        verifier_args = ["--threads", str(cores), "--async-target-threads", str(beside)]
-        # A blocking Draft (a miss, or a step drafted after verification) has the machine to itself.
-        drafter_args = ["--threads", str(cores), "--speculate-threads", str(drafter_threads)]
+    serve` deploys it and `specd bench profile` calibrates it: the cores split by
+    `services.up.machine_split`, as `specd up` splits them."""
+    verifier_args, drafter_args, pinned = machine_split(mode, drafters, cores or machine_cores(), pin=pin)
     return StackConfig(target=target, drafter=drafter if drafters else "", drafters=drafters, verifiers=1,
-                       trainer=False, mode=mode, pin=pin and not takes_turns, prompt_lookup=lookup,
+                       trainer=False, mode=mode, pin=pinned, prompt_lookup=lookup,
                        verifier_args=verifier_args, drafter_args=drafter_args, **rest)
 
 

@@ -544,7 +544,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--prompt-lookup", action="store_true",
                         help="the verifiers also draft by prompt lookup (alone where there is no drafter)")
     parser.add_argument("--auth-token", default="", help="bearer token every service requires")
-    parser.add_argument("--pin", action="store_true", help="pin each service to its own core where possible")
+    parser.add_argument("--pin", action="store_true",
+                        help="async: pin each service to a core of its own where possible, instead of sharing the "
+                             "machine (sync and plain services take turns and always get every core)")
     parser.add_argument("--workdir", default="", help="logs and trainer checkpoints (default: a temporary directory)")
     parser.add_argument("--drain-seconds", type=float, default=10.0,
                         help="how long each service finishes in-flight calls when the stack stops")
@@ -563,6 +565,37 @@ def _interrupt(signum, frame) -> None:
 def _ignore_stop_signals() -> None:
     for signum in _STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+
+
+def machine_cores() -> int:
+    """The cores this process may run on (its affinity)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def machine_split(mode: str, drafters: int, cores: int, *, pin: bool = False) -> tuple[list[str], list[str], bool]:
+    """How one verifier and ``drafters`` drafter replicas share a machine of ``cores`` cores: the
+    verifier's extra flags, each drafter's, and whether to pin each process to a core of its own.
+
+    Processes that never compute at once (plain decoding, lookup alone, sync mode: the verifier
+    waits for its drafter) each get the whole machine: unpinned, a thread per core, as a user
+    without speculation would run plain decoding. In async mode a drafter drafts the next block
+    beside verification, so the cores are shared only then: the verifier has them all for a
+    step without a candidate pass and ``cores - drafters x drafter threads`` (at least 1) for a
+    step with one (``--async-target-threads``; its cost model measures which way a step pays,
+    `CostModel.should_overlap`), and each drafter an equal share for the candidate pass beside it
+    (``--speculate-threads``; a Draft the verifier waits for has every core). With ``pin``,
+    async processes are pinned apart instead, a core each (the planner's single-threaded
+    profile assumes that split)."""
+    if mode == "sync" or drafters == 0:
+        whole = ["--threads", str(cores)]
+        return whole, whole, False
+    if pin:
+        return [], [], True
+    drafter_threads = max(1, cores // (drafters + 1))
+    beside = max(1, cores - drafters * drafter_threads)
+    return (["--threads", str(cores), "--async-target-threads", str(beside)],
+            # A blocking Draft (a miss, or a step drafted after verification) has the machine to itself.
+            ["--threads", str(cores), "--speculate-threads", str(drafter_threads)], False)
 
 
 def zoo_model(name: str) -> str:
@@ -600,15 +633,16 @@ def run(args) -> int:
     except StackError as err:
         print(f"specd up: {err}", file=sys.stderr)
         return 1
+    # Each verifier (with its drafters) gets its share of the machine; --demo's plain verifier
+    # computes only while the speculative one waits.
+    cores = max(1, machine_cores() // max(1, args.verifiers))
+    verifier_args, drafter_args, pin = machine_split(args.mode, args.drafters if drafter else 0, cores, pin=args.pin)
     config = StackConfig(
-        target=target, drafter=drafter,
+        target=target, drafter=drafter, verifier_args=verifier_args, drafter_args=drafter_args,
         drafters=args.drafters, verifiers=args.verifiers, trainer=not args.no_trainer,
         redis_url=args.redis_url, verifier_http_port=args.http_port, verifier_grpc_port=args.grpc_port,
         drafter_port=args.drafter_port, trainer_port=args.trainer_port, block_size=args.block_size,
-        mode=args.mode, prompt_lookup=args.prompt_lookup, auth_token=args.auth_token, workdir=args.workdir,
-        # Only an async drafter runs beside verification and needs a core of its own; otherwise
-        # each process gets the whole machine in turn (the rule `specd bench serve` deploys by).
-        pin=args.pin or (args.demo and bool(drafter) and args.mode == "async"),
+        mode=args.mode, prompt_lookup=args.prompt_lookup, auth_token=args.auth_token, workdir=args.workdir, pin=pin,
         plain_verifiers=1 if args.demo and (drafter or args.prompt_lookup) else 0,
         drain_seconds=args.drain_seconds, restart=True,
         restart_delay=args.restart_delay, max_restart_delay=args.max_restart_delay,
