@@ -4,6 +4,11 @@ LlamaForCausalLM on the same converted checkpoint, through specd's own batched, 
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -214,3 +219,72 @@ def test_the_verifier_service_with_prompt_lookup_returns_plain_greedy_output(dir
         assert metrics(stack.verifiers[0].http)["specd:spec_decode_num_draft_tokens_total"] > 0
         # The comparison verifier of the same stack decodes plainly: prompt lookup is not its.
         assert metrics(stack.plain[0].http).get("specd:spec_decode_num_draft_tokens_total", 0.0) == 0
+
+
+def test_async_services_are_lossless_through_grpc_and_openai_and_survive_a_killed_drafter(
+        directory, ours, tokenizer, chat_prompts, tmp_path):
+    """The services' integration properties on SmolLM2, deployed as `specd bench serve` deploys
+    async D3D (the machine shared, `services.up.machine_split`): concurrent greedy requests through
+    the `openai` client, streaming and not, answer the stack's plain verifier's text and
+    in-process greedy decoding's; then ``kill -9`` of the drafter during concurrent gRPC streams
+    loses no request and changes no output (the verifier carries on plainly)."""
+    import openai
+
+    from services.client import metrics
+    from services.common.config import ServiceConfig
+    from services.common.server import open_channel
+    from services.load import deployment_stack
+    from services.up import Stack, stack_ports
+    from specd._proto.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+    from specd.models.loading import save_model
+
+    save_model(_drafter("d3d-async", ours, 4).model, tmp_path / "drafter")
+    prompts, max_tokens = chat_prompts[:6], 24
+    expected = [g.token_ids for g in autoregressive(ours, prompts, SamplingParams(max_tokens=max_tokens))]
+    stops = set(ours.config.stop_token_ids)
+    # HTTP answers stop at the model's stop token (gRPC only where asked): compare up to it.
+    texts = [tokenizer.decode(ids[:next((i + 1 for i, t in enumerate(ids) if t in stops), len(ids))],
+                              skip_special_tokens=True) for ids in expected]
+    config = dataclasses.replace(
+        deployment_stack(str(directory), str(tmp_path / "drafter"), drafters=1, mode="async", cores=2,
+                         **stack_ports(), block_size=8, max_num_seqs=8),
+        plain_verifiers=1)
+    assert "--async-target-threads" in config.verifier_args
+    with Stack(config) as stack:
+        stack.wait_drafting()
+        model = Path(directory).name
+
+        def complete(url: str, prompt: list[int], stream: bool) -> str:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            if not stream:
+                return client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                                 temperature=0).choices[0].text
+            chunks = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                               stream=True)
+            return "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+
+        for stream in (False, True):
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                spec = list(pool.map(lambda p: complete(stack.verifiers[0].http, p, stream), prompts))
+                plain = list(pool.map(lambda p: complete(stack.plain[0].http, p, stream), prompts))
+            assert spec == plain == texts, f"stream={stream}"
+        assert metrics(stack.verifiers[0].http)["specd:spec_decode_num_draft_tokens_total"] > 0
+
+        stub = verifier_pb2_grpc.VerifierStub(open_channel(stack.verifiers[0].grpc, ServiceConfig()))
+        started = threading.Event()
+
+        def generate(prompt: list[int]) -> list[int]:
+            request = verifier_pb2.GenerateRequest(prompt_token_ids=prompt,
+                                                   params=common_pb2.SamplingParams(max_tokens=max_tokens))
+            tokens = []
+            for message in stub.Generate(request, timeout=300):
+                tokens.extend(message.token_ids)
+                started.set()
+            return tokens
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            futures = [pool.submit(generate, p) for p in prompts]
+            assert started.wait(120)
+            stack.kill("drafter-0")
+            assert [f.result() for f in futures] == expected
+        assert generate(prompts[0]) == expected[0]  # after the fault: still served, still exact
