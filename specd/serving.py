@@ -14,8 +14,8 @@ not spend a thread per open stream.
 
 Passes run on the loop thread only. The thread that builds the engine (which loaded the weights)
 frees its OpenMP pool (`specd.threads.release_pool`): with two pools on a small machine the
-loop's OpenMP workers would sleep between ops, and a SmolLM2 decode pass would cost nearly
-twice as much as on the main thread (``bench/thread_cost.py``).
+loop's OpenMP workers would sleep between ops, and every op of a pass would pay their wake-up
+(``bench/thread_cost.py`` measures what that costs).
 
 The lock `target_lock` is held during every step, so other users of the same target (the
 verifier's tree scoring for the trainer) interleave between steps instead of racing them.

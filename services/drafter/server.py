@@ -264,13 +264,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             model = load_model(directory, device=self.device, attention_backend=self.attention_backend,
                                dtype=self.dtype)
             self._check_compatible(model, directory)
+            drafter = D3DDrafter(model, max_num_seqs=self.max_num_seqs, device=self.device)
         except ModelLoadError as err:
             self.metrics.weight_refused.inc()
             logger.error("refusing drafter version %r from %s: %s; still serving %r", version, directory, err, self.version)
             raise
         finally:
             release_pool()  # loading computed on this thread: only the compute thread keeps a pool
-        drafter = D3DDrafter(model, max_num_seqs=self.max_num_seqs, device=self.device)
         with self._lock:
             first = self.drafter is None
             self.drafter, self.version = drafter, version
