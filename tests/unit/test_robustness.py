@@ -221,10 +221,11 @@ def test_an_engine_that_dies_reports_it_and_refuses_instead_of_hanging(target, t
             status, body = completion(url)
             assert status == 500 and body["error"]["type"] == "server_error", body
         deadline = time.monotonic() + 10
-        while engine.alive:  # the loop declares itself dead right after the last failed step
-            assert time.monotonic() < deadline
+        # The loop declares itself dead right after the last failed step (alive turns False),
+        # ends the open streams, then tells the server (on_death): wait for both.
+        while engine.alive or not deaths:
+            assert time.monotonic() < deadline, f"alive={engine.alive}, deaths={deaths}"
             time.sleep(0.01)
-        assert deaths
         status, body = raw_request(url, "GET", "/health", token=None)
         assert status == 503, "a dead engine must not look healthy"
         status, body = completion(url)
