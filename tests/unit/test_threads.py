@@ -39,10 +39,11 @@ def test_release_pool_ends_the_calling_threads_openmp_workers():
             torch.randn(256, 256) @ torch.randn(256, 256)  # a parallel region: this thread's pool starts
         seen["with_pool"] = _os_threads()
         seen["released"] = release_pool()
-        seen["ended"] = _wait_for(lambda: _os_threads() == before)
+        seen["ended"] = _wait_for(lambda: _os_threads() <= before)
         torch.randn(256, 256) @ torch.randn(256, 256)  # a new pool, the same sums
-        seen["again"] = _os_threads()
+        seen["again"] = _os_threads() > before
         release_pool()
+        seen["before"] = before
 
     try:
         thread = threading.Thread(target=work)
@@ -51,9 +52,9 @@ def test_release_pool_ends_the_calling_threads_openmp_workers():
     finally:
         torch.set_num_threads(previous)
     assert seen["released"] is True
-    assert seen["with_pool"] >= 3, seen  # this thread, its 2 workers and pytest's own
+    assert seen["with_pool"] > seen["before"], seen  # the pool's workers started
     assert seen["ended"], f"the pool's workers did not end: {seen}"
-    assert seen["again"] == seen["with_pool"], seen
+    assert seen["again"], f"no new pool after the release: {seen}"
 
 
 def test_compute_thread_runs_every_call_on_one_thread():
