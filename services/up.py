@@ -587,8 +587,7 @@ def machine_split(mode: str, drafters: int, cores: int, *, pin: bool = False) ->
     async processes are pinned apart instead, a core each (the planner's single-threaded
     profile assumes that split)."""
     if mode == "sync" or drafters == 0:
-        whole = ["--threads", str(cores)]
-        return whole, whole, False
+        return ["--threads", str(cores)], ["--threads", str(cores)], False
     if pin:
         return [], [], True
     drafter_threads = max(1, cores // (drafters + 1))
