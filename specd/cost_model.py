@@ -226,6 +226,11 @@ class CostModel:
     """g: the drafter's confidence -> the target's measured acceptance."""
     explore_every: int = 16
     """Every this many choices verify twice the chosen length, so the fit keeps seeing longer passes."""
+    explore_tokens: int = 8
+    """Packed passes: an exploration verifies at least this many drafted tokens in all (or one per
+    sequence at a smaller batch) when twice the choice is fewer. Not one per sequence at any
+    batch: at batch 64 on a CPU, where a pass costs its tokens, that doubled every 16th pass
+    (SmolLM2 with prompt lookup: passes 13% dearer than plain ones with τ 1.04)."""
     steps: int = 0
     max_explore_every: int = 128
     """Longest gap between explorations of the losing arm (see `should_speculate`)."""
@@ -388,7 +393,8 @@ class CostModel:
         positions in order, since its confidences do not increase), and the prefix with the
         highest ``sum_s E_s(L_s) / c_n`` is kept. At batch 16 on a CPU that verifies the few
         sequences whose drafts are likely right, and not the rest. Exploration as for one length:
-        twice the chosen tokens (at least one per sequence). Otherwise (padded passes) one length
+        twice the chosen tokens (at least ``explore_tokens``, or one per sequence below that
+        batch). Otherwise (padded passes) one length
         for all (`choose_length`)."""
         num_seqs = len(confidences)
         if not packed:
@@ -409,7 +415,7 @@ class CostModel:
             if rate > best_rate:
                 best, best_rate = taken, rate
         if (self.steps - 1) % self.explore_every == 0:
-            best = min(len(order), max(num_seqs, 2 * best))
+            best = min(len(order), max(min(num_seqs, self.explore_tokens), 2 * best))
         lengths = [0] * num_seqs
         for _, _, s in order[:best]:
             lengths[s] += 1

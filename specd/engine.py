@@ -388,10 +388,16 @@ class SpeculativeEngine:
         # A step that prefills some prompt measures prefill, not what speculation is worth.
         prefill = any(len(s.context) - s.cached > 1 for s in running)
         self._unpark_drafter()
-        speculative = self._speculates(len(running))
+        # A step that prefills a prompt makes no blocking drafter call: the new request's first
+        # token waits for nothing but its prefill (TTFT), and its prompt reaches the drafter with
+        # its first draft, after that token is out. The others verify blocks in hand (async
+        # candidates drafted during the last pass) or decode plain this one step.
+        in_hand = prefill and any(s.block is not None for s in running)
+        speculative = (not prefill or in_hand) and self._speculates(len(running))
         self._gain_explored = False
         if speculative:
-            self._ensure_blocks(running)
+            if not prefill:
+                self._ensure_blocks(running)
             lengths = self._verify_lengths(running)
             self._chosen_length = max(lengths)
         else:
@@ -400,7 +406,7 @@ class SpeculativeEngine:
             lengths = [0] * len(running)
         blocks = [s.block.tokens[:n] if s.block is not None else [] for s, n in zip(running, lengths)]
         self._overlap_explored = False
-        overlap = speculative and self._overlaps(len(running))
+        overlap = speculative and not prefill and self._overlaps(len(running))
         self._share_cores(overlap)
         future = self._speculate_async(running, blocks) if overlap else None
         start = time.perf_counter()

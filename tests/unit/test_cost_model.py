@@ -114,6 +114,17 @@ def test_packed_passes_verify_the_confident_sequences_only():
     assert padded.choose_length(confidences, 8) <= 1
 
 
+def test_packed_explorations_at_high_batch_verify_a_few_tokens_not_one_per_sequence():
+    """Batch 64, passes that cost their tokens, drafts rarely right: plain steps, and an
+    exploration verifies ``explore_tokens`` drafted tokens (the most confident), not 64 (which
+    would double every 16th pass)."""
+    confidences = [[0.1 ** (i + 1) for i in range(8)]] * 64
+    model = CostModel(explore_every=8)
+    choices = _packed_lengths(model, confidences, lambda t: 0.01 + 0.3 * t, 64)
+    explored = [sum(c) for i, c in enumerate(choices) if i % 8 == 0]
+    assert explored == [model.explore_tokens] * len(explored), explored
+    assert all(sum(c) == 0 for i, c in enumerate(choices[8:], start=8) if i % 8), choices
+
 def test_packed_flat_passes_verify_everything():
     confidences = [[0.5 ** (i + 1) for i in range(8)]] * 16
     choices = _packed_lengths(CostModel(explore_every=4), confidences, lambda t: 0.05, 64)

@@ -195,11 +195,13 @@ class _HalfOracleDrafter(Drafter):
 
     def __init__(self, references: list[list[int]], vocab_size: int):
         self.references, self.vocab_size = references, vocab_size
+        self.nonempty = 0  # blocks drafted with at least one token
 
     def draft(self, requests):
         blocks = []
         for r in requests:
             tokens = [] if r.seq_id % 2 else self.references[r.seq_id][len(r.context) : len(r.context) + r.block_size]
+            self.nonempty += bool(tokens)
             blocks.append(DraftBlock(tokens=tokens, probs=None, confidence=[0.9] * len(tokens)))
         return blocks
 
@@ -217,7 +219,9 @@ def test_num_drafts_counts_drafted_blocks_only_and_tau_every_sequence_pass(targe
     assert [g.token_ids for g in got] == [e.token_ids for e in expected]
     stats = engine.stats
     assert stats.num_sequence_passes == sum(g.num_passes for g in got)
-    assert stats.num_drafts == sum(g.num_passes for i, g in enumerate(got) if i % 2 == 0) < stats.num_sequence_passes
+    # Every non-empty block is verified (a fixed block), and only the even sequences draft any.
+    assert stats.num_drafts == engine.drafter.nonempty < sum(g.num_passes for i, g in enumerate(got) if i % 2 == 0)
+    assert stats.num_drafts > 0
     assert stats.num_accepted_tokens == sum(sum(g.accepted_lengths) for g in got)
     assert stats.tau == stats.num_accepted_tokens / stats.num_sequence_passes + 1
     assert stats.tau > 1.5  # the even sequences' drafts are the target's own tokens
@@ -226,6 +230,51 @@ def test_num_drafts_counts_drafted_blocks_only_and_tau_every_sequence_pass(targe
     assert (plain.stats.num_drafts, plain.stats.tau) == (0, 1.0)
     assert plain.stats.num_sequence_passes == sum(len(e.token_ids) for e in expected)
 
+
+
+class _CountingOracle(_HalfOracleDrafter):
+    """The half-oracle, counting its calls and refusing to draft for a context that is only a
+    prompt (a sequence before its first token)."""
+
+    def __init__(self, references, vocab_size, prompt_lens):
+        super().__init__(references, vocab_size)
+        self.prompt_lens, self.calls = prompt_lens, 0
+
+    def draft(self, requests):
+        self.calls += 1
+        for r in requests:
+            assert len(r.context) > self.prompt_lens[r.seq_id], f"drafted for sequence {r.seq_id}'s bare prompt"
+        return super().draft(requests)
+
+
+class _StepLog(SpeculativeEngine):
+    """Records, per step, whether it prefilled a prompt and how many drafter calls it made."""
+
+    def step(self, running):
+        prefill = any(len(s.context) - s.cached > 1 for s in running)
+        before = self.drafter.calls
+        super().step(running)
+        self.log.append((prefill, self.drafter.calls - before))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_step_that_prefills_makes_no_blocking_draft(target, mode):
+    """TTFT: a new request's first token waits for its prefill pass only, never for a drafter
+    call (continuous batching: requests join a running batch). Steps without a prefill still
+    draft, and the output is plain greedy output."""
+    batch = prompts(7)
+    params = SamplingParams(max_tokens=12)
+    expected = autoregressive(target, batch, params)
+    references = [p + e.token_ids + [0] * 8 for p, e in zip(batch, expected)]
+    drafter = _CountingOracle(references, VOCAB, [len(p) for p in batch])
+    engine = _StepLog(target, drafter, EngineConfig(max_num_seqs=3, block_size=4, mode=mode, adaptive_block=False))
+    engine.log = []
+    got = engine.generate(batch, params)
+    assert [g.token_ids for g in got] == [e.token_ids for e in expected]
+    prefills = [calls for prefill, calls in engine.log if prefill]
+    assert len(prefills) >= 3  # the first step and later admissions
+    assert prefills == [0] * len(prefills)
+    assert sum(calls for prefill, calls in engine.log if not prefill) > 0
 
 def test_full_batch_counters_cover_exactly_the_steps_with_every_row_busy(target):
     """`EngineStats.full_batch_tokens` counts the tokens of steps that ran every cache row, and
