@@ -90,13 +90,15 @@ def test_the_lm_head_runs_only_where_verification_reads(target):
     sequence: the head's rows are those, packed, not every new token of the padded pass nor the
     padding of a sequence whose block is shorter than another's."""
     batch = prompts(3)
-    batch[0] = batch[0][:3] * 5  # prompt lookup finds matches in this one, hardly in the others
-    params = SamplingParams(max_tokens=6)
-    expected = [g.token_ids for g in autoregressive(target, batch, params)]
+    params = SamplingParams(max_tokens=8)
+    expected = autoregressive(target, batch, params)
+    references = [p + e.token_ids + [0] * 8 for p, e in zip(batch, expected)]
+    expected = [e.token_ids for e in expected]
     rows = []
     hook = target.lm_head.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[:-1]))
     try:
-        engine = SpeculativeEngine(target, NgramDrafter(vocab_size=VOCAB),
+        # Blocks for the even sequences only: every step verifies blocks of different lengths.
+        engine = SpeculativeEngine(target, _HalfOracleDrafter(references, VOCAB),
                                    EngineConfig(max_num_seqs=3, block_size=3, mode="sync", adaptive_block=False))
         lengths = []
         verify = engine._verify_pass
@@ -105,7 +107,8 @@ def test_the_lm_head_runs_only_where_verification_reads(target):
     finally:
         hook.remove()
     assert got == expected
-    assert min(map(len, batch)) > 1  # the prefill step too: one column per prompt, plus its block's
+    assert min(map(len, batch)) > 1  # the prefill step too: one column per prompt (it drafts nothing)
+    assert lengths[0] == [0] * len(batch)
     assert rows == [(sum(n + 1 for n in blocks),) for blocks in lengths]
     assert any(len(set(blocks)) > 1 for blocks in lengths)  # some steps verified blocks of different lengths
 
