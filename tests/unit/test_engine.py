@@ -445,7 +445,9 @@ def test_sampled_engine_output_has_the_target_distribution(temperature, top_p, s
     from specd.batch import ForwardBatch
     from specd.sampling import target_probs
 
-    prompt = prompts(1)[0][:6]
+    # One token: nothing to prefill, so the first step drafts and both tokens go through the
+    # rejection sampler (a step that prefills a longer prompt drafts nothing).
+    prompt = prompts(1)[0][:1]
     params = SamplingParams(max_tokens=2, temperature=temperature, top_k=4, top_p=top_p)
     with torch.no_grad():
         first = target_probs(target(ForwardBatch.causal([prompt]))[0, -1], params)
@@ -467,6 +469,7 @@ def test_sampled_engine_output_has_the_target_distribution(temperature, top_p, s
     ok, report = chi_square_check(samples, exact)
     assert ok, report
     assert engine.stats.num_accepted_tokens > 0  # drafts were really used, not only corrections
+    assert engine.stats.num_drafts >= len(samples)  # every request's first token was drafted for
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
