@@ -24,7 +24,8 @@ CPU), the cost is the mean tokens per sequence and each sequence gets its own ``
 So that the fit keeps seeing lengths beyond its choice, the first choice and every
 ``explore_every``-th after it verify twice the chosen length (at least 1, at most the block)
 instead: where passes turn out flat a long block is found in a few doublings, and an exploration
-at batch 16 on a CPU costs a pass of two tokens per sequence, not of seventeen.
+at batch 16 on a CPU costs a pass of two tokens per sequence, not of seventeen (with per-sequence
+lengths, at least ``explore_tokens`` drafted tokens in all: 8 at batch 64, not 64).
 
 That choice is made after the step's blocks were drafted, so it cannot save the drafter's own
 cost: a blocking draft (sync mode, or a miss), or the drafter's speculation beside the pass
