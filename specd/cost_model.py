@@ -230,8 +230,9 @@ class CostModel:
     explore_tokens: int = 8
     """Packed passes: an exploration verifies at least this many drafted tokens in all (or one per
     sequence at a smaller batch) when twice the choice is fewer. Not one per sequence at any
-    batch: at batch 64 on a CPU, where a pass costs its tokens, that doubled every 16th pass
-    (SmolLM2 with prompt lookup: passes 13% dearer than plain ones with τ 1.04)."""
+    batch: at batch 64 on a CPU, where a pass costs its tokens, that doubled every 16th pass (sync
+    D3D + prompt lookup on SmolLM2 at 64 rows, `bench/results/smollm2/xeon-avx512/serve-c64.json`:
+    passes 13% dearer than plain ones with τ 1.04, these explorations a part of it)."""
     steps: int = 0
     max_explore_every: int = 128
     """Longest gap between explorations of the losing arm (see `should_speculate`)."""

@@ -125,6 +125,7 @@ def test_packed_explorations_at_high_batch_verify_a_few_tokens_not_one_per_seque
     assert explored == [model.explore_tokens] * len(explored), explored
     assert all(sum(c) == 0 for i, c in enumerate(choices[8:], start=8) if i % 8), choices
 
+
 def test_packed_flat_passes_verify_everything():
     confidences = [[0.5 ** (i + 1) for i in range(8)]] * 16
     choices = _packed_lengths(CostModel(explore_every=4), confidences, lambda t: 0.05, 64)

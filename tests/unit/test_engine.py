@@ -234,7 +234,6 @@ def test_num_drafts_counts_drafted_blocks_only_and_tau_every_sequence_pass(targe
     assert plain.stats.num_sequence_passes == sum(len(e.token_ids) for e in expected)
 
 
-
 class _CountingOracle(_HalfOracleDrafter):
     """The half-oracle, counting its calls and refusing to draft for a context that is only a
     prompt (a sequence before its first token)."""
@@ -278,6 +277,7 @@ def test_a_step_that_prefills_makes_no_blocking_draft(target, mode):
     assert len(prefills) >= 3  # the first step and later admissions
     assert prefills == [0] * len(prefills)
     assert sum(calls for prefill, calls in engine.log if not prefill) > 0
+
 
 def test_full_batch_counters_cover_exactly_the_steps_with_every_row_busy(target):
     """`EngineStats.full_batch_tokens` counts the tokens of steps that ran every cache row, and
