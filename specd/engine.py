@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -300,6 +300,11 @@ class SpeculativeEngine:
     (`generate`'s own, or the serving loop's).
     """
 
+    clock: Callable[[], float] = staticmethod(time.perf_counter)
+    """What the engine times its steps, passes and drafts with (the cost model's inputs). A test
+    swaps in a simulated clock that only the costs it charges move, so the decisions it checks do
+    not depend on how loaded the machine is."""
+
     def __init__(self, target: nn.Module, drafter: Drafter | None = None, config: EngineConfig | None = None) -> None:
         self.target = target.eval()
         self.drafter = drafter
@@ -351,14 +356,14 @@ class SpeculativeEngine:
         scheduler: Scheduler[int] = Scheduler(self.config.max_num_seqs)  # waiting: prompt indices
         scheduler.waiting.extend(range(len(prompts)))
         results: list[Generation | None] = [None] * len(prompts)
-        began = time.perf_counter()
+        began = self.clock()
         while scheduler.has_work:
             scheduler.admit(lambda i, row: self.start(i, prompts[i], params[i], row))
             self.step(scheduler.running)
             for seq in scheduler.finish_done():
                 results[seq.seq_id] = seq.generation
                 self.release(seq.seq_id)
-        self.stats.seconds_total += time.perf_counter() - began
+        self.stats.seconds_total += self.clock() - began
         return results
 
     def start(self, seq_id: int, prompt: Sequence[int], params: SamplingParams, row: int) -> RunningSequence:
@@ -383,7 +388,7 @@ class SpeculativeEngine:
     def step(self, running: list[RunningSequence]) -> None:
         """One target pass over every running sequence."""
         self.stats.num_steps += 1
-        began = time.perf_counter()
+        began = self.clock()
         emitted_before = self.stats.num_emitted_tokens
         # A step that prefills some prompt measures prefill, not what speculation is worth.
         prefill = any(len(s.context) - s.cached > 1 for s in running)
@@ -409,17 +414,17 @@ class SpeculativeEngine:
         overlap = speculative and not prefill and self._overlaps(len(running))
         self._share_cores(overlap)
         future = self._speculate_async(running, blocks) if overlap else None
-        start = time.perf_counter()
+        start = self.clock()
         logits = self._verify_pass(running, blocks)
-        self.stats.seconds_target += time.perf_counter() - start
+        self.stats.seconds_target += self.clock() - start
         self.stats.num_target_passes += 1
-        pass_seconds = time.perf_counter() - start
+        pass_seconds = self.clock() - start
         if not prefill:  # a prompt's pass costs the prompt, not the block
             self.cost_model.observe_pass(len(running), self._tokens_per_sequence(blocks), pass_seconds)
-        joined = time.perf_counter()
+        joined = self.clock()
         candidates = self._join(future)
         if future is not None:
-            self._adapt_budget(time.perf_counter() - joined, pass_seconds)
+            self._adapt_budget(self.clock() - joined, pass_seconds)
         results = self._verify_all(running, blocks, logits)
         paths = [None] * self.config.max_num_seqs
         selective = self._selective(len(running))
@@ -465,11 +470,11 @@ class SpeculativeEngine:
             seq.cached = len(seq.context) - 1 if not seq.done else seq.cached
         if len(running) == self.config.max_num_seqs:
             self.stats.full_batch_tokens += self.stats.num_emitted_tokens - emitted_before
-            self.stats.full_batch_seconds += time.perf_counter() - began
+            self.stats.full_batch_seconds += self.clock() - began
         if not prefill:
             # Steady-state steps only: a step's cost depends on how the one before it ran (the
             # first speculative step after plain ones drafts blocking, catching up on the context).
-            tokens, seconds = self.stats.num_emitted_tokens - emitted_before, time.perf_counter() - began
+            tokens, seconds = self.stats.num_emitted_tokens - emitted_before, self.clock() - began
             # (Nor a step that tried the losing way to speculate: it measures that way; nor one that
             # drafted for sequences not yet known to be worth it: `_ensure_blocks` soon skips some.)
             if speculative == self._last_speculative and not self._overlap_explored and not self._gain_explored:
@@ -539,17 +544,17 @@ class SpeculativeEngine:
             DraftRequest(seq_id=s.seq_id, context=s.context, block_size=self._draft_size(), params=s.params)
             for s in need
         ]
-        start = time.perf_counter()
+        start = self.clock()
         try:
             blocks = self.drafter.draft(requests)
         except DrafterUnavailable:
             self._drafter_failed()  # plain decoding until it comes back
             return
         finally:
-            self.stats.seconds_drafter_blocking += time.perf_counter() - start
+            self.stats.seconds_drafter_blocking += self.clock() - start
             self.stats.num_drafter_calls += 1
             self.stats.num_drafter_blocking_calls += 1
-        self.cost_model.observe_drafting(len(running), time.perf_counter() - start, len(need))
+        self.cost_model.observe_drafting(len(running), self.clock() - start, len(need))
         for seq, block in zip(need, blocks):
             seq.block = block
 
@@ -614,14 +619,14 @@ class SpeculativeEngine:
     def _join(self, future):
         if future is None:
             return None
-        start = time.perf_counter()
+        start = self.clock()
         try:
             return future.result()
         except DrafterUnavailable:
             self._drafter_failed()
             return None
         finally:
-            self.stats.seconds_drafter_blocking += time.perf_counter() - start
+            self.stats.seconds_drafter_blocking += self.clock() - start
 
     @torch.no_grad()
     def _verify_pass(self, running: list[RunningSequence], blocks: list[list[int]]) -> Tensor:

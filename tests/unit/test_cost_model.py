@@ -187,16 +187,40 @@ def _greedy_case(num_seqs: int, max_tokens: int):
     return target, batch, params, expected, references
 
 
+class _SimulatedClock:
+    """The engine's clock (`SpeculativeEngine.clock`) in the tests of its sync decisions: time moves
+    only by what the scripted drafters and passes charge, so what the cost model chooses follows from
+    those costs alone, whatever else the machine is doing (with real sleeps, a loaded machine made
+    these tests fail)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def spend(self, seconds: float) -> None:
+        self.now += seconds
+
+
 class _Drafter(Drafter):
-    """Drafts the target's greedy continuation (``right``) or wrong tokens, after ``delay`` s."""
+    """Drafts the target's greedy continuation (``right``) or wrong tokens, after ``delay`` s
+    (slept, or charged to ``clock``)."""
 
     name, max_block, can_speculate = "scripted", 8, False
 
-    def __init__(self, references: list[list[int]], *, right: bool, delay: float):
+    def __init__(self, references: list[list[int]], *, right: bool, delay: float, clock: _SimulatedClock | None = None):
         self.references, self.right, self.delay, self.vocab_size = references, right, delay, VOCAB
+        self.clock = clock
+
+    def wait(self, seconds: float) -> None:
+        if self.clock is None:
+            time.sleep(seconds)
+        else:
+            self.clock.spend(seconds)
 
     def draft(self, requests):
-        time.sleep(self.delay)
+        self.wait(self.delay)
         blocks = []
         for r in requests:
             tokens = self.references[r.seq_id][len(r.context) : len(r.context) + r.block_size]
@@ -212,9 +236,10 @@ def test_engine_turns_a_drafter_that_does_not_pay_off_and_keeps_one_that_does(ri
     nearly always (exploring it now and then); one that drafts the target's own tokens stays on.
     Both give plain greedy output."""
     target, batch, params, expected, references = _greedy_case(num_seqs=4, max_tokens=96)
-    # A debug pass takes about a millisecond: 30 ms per draft makes a wrong drafter a clear loss.
-    drafter = _Drafter(references, right=right, delay=0.03 if not right else 0.0)
-    engine = SpeculativeEngine(target, drafter, EngineConfig(max_num_seqs=4, block_size=4, mode="sync"))
+    # Passes of 10 ms: 30 ms per draft makes a wrong drafter a clear loss.
+    clock = _SimulatedClock()
+    drafter = _Drafter(references, right=right, delay=0.03 if not right else 0.0, clock=clock)
+    engine = _SlowPasses(target, drafter, EngineConfig(max_num_seqs=4, block_size=4, mode="sync"), clock)
     got = engine.generate(batch, params)
     assert [g.token_ids for g in got] == [e.token_ids for e in expected]
     drafted = engine.stats.num_drafts / engine.stats.num_sequence_passes
@@ -245,10 +270,15 @@ class _Lookup(Drafter):
 
 
 class _SlowPasses(SpeculativeEngine):
-    """A target pass that takes 10 ms more: a draft of a few microseconds is then free."""
+    """An engine on ``clock`` whose target passes cost ``pass_seconds`` each (whatever their
+    tokens: flat passes), and nothing else does unless a drafter charges it."""
+
+    def __init__(self, target, drafter, config, clock: _SimulatedClock, pass_seconds: float = 0.01):
+        super().__init__(target, drafter, config)
+        self.clock, self.pass_seconds = clock, pass_seconds
 
     def _verify_pass(self, running, blocks):
-        time.sleep(0.01)
+        self.clock.spend(self.pass_seconds)
         return super()._verify_pass(running, blocks)
 
 
@@ -258,7 +288,8 @@ def test_a_free_drafter_with_nothing_to_propose_is_not_turned_off():
     in well under 96 passes), where stretches without a proposal used to make speculating lose the
     whole-step comparison. Output is plain greedy output."""
     target, batch, params, expected, references = _greedy_case(num_seqs=1, max_tokens=96)
-    engine = _SlowPasses(target, _Lookup(references, len(batch[0])), EngineConfig(max_num_seqs=1, block_size=4, mode="sync"))
+    engine = _SlowPasses(target, _Lookup(references, len(batch[0])), EngineConfig(max_num_seqs=1, block_size=4, mode="sync"),
+                         _SimulatedClock())
     got = engine.generate(batch, params)
     assert [g.token_ids for g in got] == [e.token_ids for e in expected]
     assert engine.cost_model.drafting_is_free(1)
@@ -278,7 +309,7 @@ class _Speculating(_Drafter):
 
     def speculate(self, requests):
         self.calls += 1
-        time.sleep(self.speculate_delay)
+        self.wait(self.speculate_delay)
         out = []
         for r in requests:
             after = len(r.context) + len(r.block)
@@ -316,12 +347,12 @@ class _HalfRight(_Drafter):
     """Drafts the target's greedy continuation for even sequence ids and wrong tokens for odd
     ones, at ``delay`` s per sequence drafted for; counts the drafts per sequence."""
 
-    def __init__(self, references: list[list[int]], *, delay: float):
-        super().__init__(references, right=True, delay=0.0)
+    def __init__(self, references: list[list[int]], *, delay: float, clock: _SimulatedClock):
+        super().__init__(references, right=True, delay=0.0, clock=clock)
         self.per_seq_delay, self.drafts = delay, [0] * len(references)
 
     def draft(self, requests):
-        time.sleep(self.per_seq_delay * len(requests))
+        self.wait(self.per_seq_delay * len(requests))
         blocks = super().draft(requests)
         for r, block in zip(requests, blocks):
             self.drafts[r.seq_id] += 1
@@ -336,9 +367,10 @@ def test_the_engine_drafts_for_the_sequences_whose_drafts_pay():
     pays (24 tokens in ~25 ms against 8 in 12). The engine drafts for the right half most of the
     time, and for the wrong half only to look again, ever more rarely. Output is plain greedy output."""
     target, batch, params, expected, references = _greedy_case(num_seqs=8, max_tokens=96)
-    drafter = _HalfRight(references, delay=0.003)
+    clock = _SimulatedClock()
+    drafter = _HalfRight(references, delay=0.003, clock=clock)
     config = EngineConfig(max_num_seqs=8, block_size=4, mode="sync", selective_drafting=True)
-    engine = _SlowPasses(target, drafter, config)
+    engine = _SlowPasses(target, drafter, config, clock, pass_seconds=0.012)
     got = engine.generate(batch, params)
     assert [g.token_ids for g in got] == [e.token_ids for e in expected]
     share = [drafted / len(g.accepted_lengths) for drafted, g in zip(drafter.drafts, got)]
