@@ -7,8 +7,9 @@ Design choices, all for CPU throughput within a few minutes on 2 cores:
   every batch, so no domain starves;
 - bf16 autocast where the CPU computes bf16 natively (about 2x fp32 there), fp32 elsewhere (an
   AVX2 CPU emulates bf16, far slower): `specd.precision` decides; fp32 master weights and loss;
-- the training step is `torch.compile`d (about 1.5x after a ~1 minute warm-up), and attention
-  uses SDPA's fused causal path (`ForwardBatch.dense_causal`);
+- the training step runs eager (`PretrainConfig.compile` is off: with torch 2.13 on 2 cores it
+  gained nothing, and in fp32 its AVX-512 code corrupts the heap), and attention uses SDPA's fused
+  causal path (`ForwardBatch.dense_causal`);
 - a fixed number of steps (not a time budget), so a build is reproducible on any machine.
 """
 
@@ -51,8 +52,12 @@ class PretrainConfig:
     """Seed for initialisation and window sampling."""
     bf16: bool = field(default_factory=cpu_computes_bf16)
     """bf16 autocast for the forward pass (default: where the CPU computes bf16, `specd.precision`)."""
-    compile: bool = True
-    """torch.compile the loss computation."""
+    compile: bool = False
+    """torch.compile the loss computation. Off: on 2 cores of an AVX-512 EPYC (torch 2.13) the tiny
+    target's step took 0.79-0.83 s eager and compiled alike in fp32 (AVX2 kernels), and 0.44 s eager
+    against 0.47 s compiled in bf16 (the compiled figure is a whole build's mean), while compiling
+    cost a warm-up, and in fp32 with AVX-512 kernels on 2 threads the compiled step aborted with a
+    corrupted heap (``malloc(): unaligned tcache chunk detected``) in its first step."""
 
 
 def lr_at(step: int, config: PretrainConfig) -> float:

@@ -400,24 +400,25 @@ class _NoisyTargetDrafter(Drafter):
         from specd.sampling import target_probs
 
         contexts = [list(r.context) for r in requests]
+        # The test's requests differ in their seeds only: one processing for the whole batch.
+        params = requests[0].params
         tokens = [[] for _ in requests]
-        probs = [[] for _ in requests]
+        probs = []
         for _ in range(requests[0].block_size):
             logits = self.target(ForwardBatch.causal(contexts))
-            for b, request in enumerate(requests):
-                row = logits[b, len(contexts[b]) - 1]
-                p = target_probs(row, request.params)
-                uniform = torch.zeros_like(p)
-                uniform[row.topk(8).indices] = 1 / 8
-                q = 0.6 * p + 0.4 * uniform
-                if request.params.keyed:  # coupled with the target's keyed choice at this position
-                    token = int(keyed_sample(q[None], request.params.seed, len(contexts[b])))
-                else:
-                    token = int(torch.multinomial(q, 1, generator=self.generator))
+            rows = logits[torch.arange(len(contexts)), torch.tensor([len(c) - 1 for c in contexts])]
+            uniform = torch.zeros_like(rows).scatter_(1, rows.topk(8).indices, 1 / 8)
+            q = 0.6 * target_probs(rows, params) + 0.4 * uniform
+            if params.keyed:  # coupled with the target's keyed choice at this position
+                drawn = [int(keyed_sample(q[b : b + 1], r.params.seed, len(contexts[b]))) for b, r in enumerate(requests)]
+            else:
+                drawn = torch.multinomial(q, 1, generator=self.generator).flatten().tolist()
+            for b, token in enumerate(drawn):
                 tokens[b].append(token)
-                probs[b].append(q)
                 contexts[b].append(token)
-        return [DraftBlock(tokens=t, probs=torch.stack(q), confidence=[0.5] * len(t)) for t, q in zip(tokens, probs)]
+            probs.append(q)
+        probs = torch.stack(probs, dim=1)  # [batch, block, vocab]
+        return [DraftBlock(tokens=t, probs=probs[b], confidence=[0.5] * len(t)) for b, t in enumerate(tokens)]
 
 
 class _CountedGeneratorEngine(SpeculativeEngine):
