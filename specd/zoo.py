@@ -7,8 +7,8 @@ deterministically (fixed seeds, fixed step counts), cached under ``~/.cache/spec
 and the same loader serves real checkpoints.
 
 A build is a list of steps; each writes its outputs and then a ``.done`` stamp holding the
-step's recipe, so a second `specd zoo build` returns in seconds and a changed recipe rebuilds
-only what it changes. A file lock keeps two concurrent builds from racing.
+step's recipe and those of the steps it reads, so a second `specd zoo build` returns in seconds
+and a changed recipe rebuilds its step and the steps downstream of it, nothing else. A file lock keeps two concurrent builds from racing.
 """
 
 from __future__ import annotations
@@ -124,11 +124,20 @@ def _stamp(directory: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def run_step(step: Step, log: Callable[[str], None]) -> bool:
-    """Run ``step`` unless its stamp matches; returns whether it ran."""
+def full_recipe(step: Step, by_name: dict[str, Step]) -> dict:
+    """What ``step``'s output depends on: its own recipe and, under ``needs``, the full recipes of
+    the steps it reads, so a change anywhere upstream rebuilds it (a retrained target rebuilds its
+    answers and the drafters trained on them). Through JSON once, so it compares equal to what the
+    stamps hold (tuples become lists)."""
+    recipe = {"zoo_version": ZOO_VERSION, **step.recipe}
+    if step.needs:
+        recipe["needs"] = {name: full_recipe(by_name[name], by_name) for name in step.needs}
+    return json.loads(json.dumps(recipe))
+
+
+def run_step(step: Step, log: Callable[[str], None], recipe: dict) -> bool:
+    """Run ``step`` unless its stamp holds ``recipe`` (its `full_recipe`); returns whether it ran."""
     directory = zoo_dir() / step.name
-    # Through JSON once, so it compares equal to what the stamps hold (tuples become lists).
-    recipe = json.loads(json.dumps({"zoo_version": ZOO_VERSION, **step.recipe}))
     stamp = _stamp(directory)
     if stamp is not None and stamp.get("recipe") == recipe:
         return False
@@ -418,10 +427,10 @@ def build(log: Callable[[str], None] = print, only: str | None = None) -> list[s
     """Build whatever is missing or stale (``only``: that step and what it needs); returns
     the names of the steps that ran."""
     chosen = steps()
+    by_name = {step.name: step for step in chosen}
     if only is None:
         chosen = [step for step in chosen if step.default]
     else:
-        by_name = {step.name: step for step in chosen}
         if only not in by_name:
             raise ValueError(f"no zoo step named {only!r}; steps: {', '.join(by_name)}")
         wanted, todo = set(), [only]
@@ -433,7 +442,7 @@ def build(log: Callable[[str], None] = print, only: str | None = None) -> list[s
         chosen = [step for step in chosen if step.name in wanted]
     with _locked():
         log(f"[zoo] CPU compute: {precision.describe()}")
-        ran = [step.name for step in chosen if run_step(step, log)]
+        ran = [step.name for step in chosen if run_step(step, log, full_recipe(step, by_name))]
     return ran
 
 
