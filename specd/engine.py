@@ -416,9 +416,9 @@ class SpeculativeEngine:
         future = self._speculate_async(running, blocks) if overlap else None
         start = self.clock()
         logits = self._verify_pass(running, blocks)
-        self.stats.seconds_target += self.clock() - start
-        self.stats.num_target_passes += 1
         pass_seconds = self.clock() - start
+        self.stats.seconds_target += pass_seconds
+        self.stats.num_target_passes += 1
         if not prefill:  # a prompt's pass costs the prompt, not the block
             self.cost_model.observe_pass(len(running), self._tokens_per_sequence(blocks), pass_seconds)
         joined = self.clock()

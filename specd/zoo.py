@@ -8,7 +8,8 @@ and the same loader serves real checkpoints.
 
 A build is a list of steps; each writes its outputs and then a ``.done`` stamp holding the
 step's recipe and those of the steps it reads, so a second `specd zoo build` returns in seconds
-and a changed recipe rebuilds its step and the steps downstream of it, nothing else. A file lock keeps two concurrent builds from racing.
+and a changed recipe rebuilds its step and the steps downstream of it, nothing else. A file lock
+keeps two concurrent builds from racing.
 """
 
 from __future__ import annotations

@@ -288,8 +288,8 @@ def test_a_free_drafter_with_nothing_to_propose_is_not_turned_off():
     in well under 96 passes), where stretches without a proposal used to make speculating lose the
     whole-step comparison. Output is plain greedy output."""
     target, batch, params, expected, references = _greedy_case(num_seqs=1, max_tokens=96)
-    engine = _SlowPasses(target, _Lookup(references, len(batch[0])), EngineConfig(max_num_seqs=1, block_size=4, mode="sync"),
-                         _SimulatedClock())
+    config = EngineConfig(max_num_seqs=1, block_size=4, mode="sync")
+    engine = _SlowPasses(target, _Lookup(references, len(batch[0])), config, _SimulatedClock())
     got = engine.generate(batch, params)
     assert [g.token_ids for g in got] == [e.token_ids for e in expected]
     assert engine.cost_model.drafting_is_free(1)

@@ -410,7 +410,8 @@ class _NoisyTargetDrafter(Drafter):
             uniform = torch.zeros_like(rows).scatter_(1, rows.topk(8).indices, 1 / 8)
             q = 0.6 * target_probs(rows, params) + 0.4 * uniform
             if params.keyed:  # coupled with the target's keyed choice at this position
-                drawn = [int(keyed_sample(q[b : b + 1], r.params.seed, len(contexts[b]))) for b, r in enumerate(requests)]
+                drawn = [int(keyed_sample(q[b : b + 1], r.params.seed, len(contexts[b])))
+                         for b, r in enumerate(requests)]
             else:
                 drawn = torch.multinomial(q, 1, generator=self.generator).flatten().tolist()
             for b, token in enumerate(drawn):
