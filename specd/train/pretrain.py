@@ -53,11 +53,11 @@ class PretrainConfig:
     bf16: bool = field(default_factory=cpu_computes_bf16)
     """bf16 autocast for the forward pass (default: where the CPU computes bf16, `specd.precision`)."""
     compile: bool = False
-    """torch.compile the loss computation. Off: on 2 cores of an AVX-512 EPYC (torch 2.13) the tiny
-    target's step took 0.79-0.83 s eager and compiled alike in fp32 (AVX2 kernels), and 0.44 s eager
-    against 0.47 s compiled in bf16 (the compiled figure is a whole build's mean), while compiling
-    cost a warm-up, and in fp32 with AVX-512 kernels on 2 threads the compiled step aborted with a
-    corrupted heap (``malloc(): unaligned tcache chunk detected``) in its first step."""
+    """torch.compile the loss computation. Off: on 2 cores of an AVX-512/bf16 EPYC (torch 2.13)
+    `specd zoo build` trained qwen3-tiny in 448 s compiled and 403 s eager (bf16; the stamp's
+    ``seconds``), a one-off timing of 10 steps in fp32 on AVX2 kernels gave 0.79-0.83 s a step
+    either way, and in fp32 with AVX-512 kernels on 2 threads the compiled step aborts with a
+    corrupted heap in its first steps (glibc ``malloc()`` assertions)."""
 
 
 def lr_at(step: int, config: PretrainConfig) -> float:
