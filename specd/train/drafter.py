@@ -14,13 +14,19 @@ an auxiliary autoregressive cross-entropy from the trunk through ``ar_head``.
 The DFlash-style variant reads the target's final hidden states at trunk positions, and its
 group starts with the known token before the block (whose target state the drafter cannot have
 at draft time, since the target has not run on it yet).
+
+Each batch is split over single-threaded processes (`specd.train.workers`) by rows; the loss's
+denominators (weighted denoising targets, AR targets) are summed over the ranks before dividing,
+so the summed gradients are the whole batch's, as in one process.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -37,6 +43,7 @@ from specd.models.d3d import D3DModel
 from specd.models.loading import save_model
 from specd.precision import cpu_autocast, cpu_computes_bf16
 from specd.sampling import SamplingParams
+from specd.train import workers as train_workers
 from specd.train.pretrain import PretrainConfig, lr_at
 
 
@@ -186,9 +193,12 @@ def sample_batch(sequences: list[list[int]], prompt_lens: list[int], config: Dra
 
 def drafter_loss(model: D3DModel, batch: ForwardBatch, targets: Tensor, tokens: Tensor, lengths: Tensor,
                  config: DrafterTrainConfig, group_size: int, lead: int, target_hidden: Tensor | None,
-                 soft: Tensor | None = None, anchors: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                 soft: Tensor | None = None, anchors: Tensor | None = None,
+                 total_counts: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """(total loss, denoising loss). With ``soft`` (`target_soft_labels`) and the groups'
-    ``anchors``, cross-entropy against the target's distributions instead of its tokens."""
+    ``anchors``, cross-entropy against the target's distributions instead of its tokens. Each
+    loss is a mean over its targets; ``total_counts`` maps this batch's counts ``[denoise, ar]``
+    to the counts to divide by (a rank of a split batch: the whole batch's)."""
     num_seqs, seq_len = tokens.shape
     with cpu_autocast(config.bf16):
         hidden = model.hidden_states(batch, None, target_hidden)
@@ -203,20 +213,24 @@ def drafter_loss(model: D3DModel, batch: ForwardBatch, targets: Tensor, tokens: 
         predicted_at = (anchors[:, :, None] + torch.arange(group_size) - 1).clamp(0, seq_len - 1)
         group_soft = soft[torch.arange(num_seqs)[:, None, None], predicted_at]  # [num_seqs, groups, size, V']
         valid = (targets != -100).float() * weights
-        per_token = -(group_soft * denoise_logits.log_softmax(-1)).sum(-1) * valid
-        denoise = per_token.sum() / valid.sum().clamp(min=1)
         ar_valid = (ar_targets != -100).float()
-        ar_per_token = -(soft[:, : seq_len - 1] * ar_logits.log_softmax(-1)).sum(-1) * ar_valid
-        return denoise + config.ar_weight * ar_per_token.sum() / ar_valid.sum().clamp(min=1), denoise
-    # As columns of the drafting vocabulary; a token the head cannot draft is not trained on.
-    targets = model.lm_head.draft_targets(targets)
-    per_token = F.cross_entropy(denoise_logits.flatten(0, 2), targets.flatten(), reduction="none", ignore_index=-100)
-    per_token = per_token.view_as(targets) * weights
-    valid = (targets != -100).float() * weights
-    denoise = per_token.sum() / valid.sum().clamp(min=1)
-    ar_targets = model.ar_head.draft_targets(ar_targets)
-    ar = F.cross_entropy(ar_logits.flatten(0, 1), ar_targets.flatten(), ignore_index=-100)
-    return denoise + config.ar_weight * ar, denoise
+        denoise_sum = (-(group_soft * denoise_logits.log_softmax(-1)).sum(-1) * valid).sum()
+        ar_sum = (-(soft[:, : seq_len - 1] * ar_logits.log_softmax(-1)).sum(-1) * ar_valid).sum()
+    else:
+        # As columns of the drafting vocabulary; a token the head cannot draft is not trained on.
+        targets = model.lm_head.draft_targets(targets)
+        ar_targets = model.ar_head.draft_targets(ar_targets)
+        valid = (targets != -100).float() * weights
+        ar_valid = (ar_targets != -100).float()
+        per_token = F.cross_entropy(denoise_logits.flatten(0, 2), targets.flatten(), reduction="none",
+                                    ignore_index=-100)
+        denoise_sum = (per_token.view_as(targets) * weights).sum()
+        ar_sum = F.cross_entropy(ar_logits.flatten(0, 1), ar_targets.flatten(), reduction="sum", ignore_index=-100)
+    counts = torch.stack([valid.sum(), ar_valid.sum()])
+    if total_counts is not None:
+        counts = total_counts(counts)
+    denoise = denoise_sum / counts[0].clamp(min=1)
+    return denoise + config.ar_weight * ar_sum / counts[1].clamp(min=1), denoise
 
 
 @torch.no_grad()
@@ -240,14 +254,53 @@ def train_drafter(
     target: nn.Module | None = None,
     pad_id: int = 6,
     description: str = "drafter",
+    workers: int | None = None,
 ) -> dict:
-    """Train in place with resumable checkpoints under ``out``; returns summary figures."""
+    """Train in place with resumable checkpoints under ``out``; returns summary figures. Each batch
+    is split over ``workers`` processes (default `specd.train.workers.default_workers`)."""
     lead = 1 if model.config.target_hidden_size else 0
     if lead and target is None:
         raise ValueError("the DFlash-style drafter trains on target hidden states: pass target")
     if config.distill and target is None:
         raise ValueError("distillation trains on the target's distributions: pass target")
     out.mkdir(parents=True, exist_ok=True)
+    workers = workers or train_workers.default_workers()
+    if workers == 1:
+        return _train_drafter(model, sequences, prompt_lens, config, out, target, pad_id, description)
+    start = time.perf_counter()
+    # Bytes, not modules: spawn would share their tensors between the ranks.
+    blobs = []
+    for module in (model, target):
+        blob = io.BytesIO()
+        torch.save(module, blob)
+        blobs.append(blob.getvalue())
+    result = train_workers.run(_drafter_rank, (*blobs, sequences, prompt_lens, config, out, pad_id, description),
+                               workers)
+    model.load_state_dict(torch.load(result / "model.pt"))
+    model.eval()
+    stats = json.loads((result / "stats.json").read_text())
+    return {**stats, "seconds": time.perf_counter() - start, "workers": workers}
+
+
+def _drafter_rank(rank: int, world: int, threads: int, init_file: str, result: Path, model_blob: bytes,
+                  target_blob: bytes, sequences: list[list[int]], prompt_lens: list[int], config: DrafterTrainConfig,
+                  out: Path, pad_id: int, description: str) -> None:
+    train_workers.join(rank, world, threads, init_file)
+    model = torch.load(io.BytesIO(model_blob), weights_only=False)
+    target = torch.load(io.BytesIO(target_blob), weights_only=False)
+    stats = _train_drafter(model, sequences, prompt_lens, config, out, target, pad_id, description, rank, world)
+    if rank == 0:
+        torch.save(model.state_dict(), result / "model.pt")
+        (result / "stats.json").write_text(json.dumps(stats))
+    train_workers.leave()
+
+
+def _train_drafter(model: D3DModel, sequences: list[list[int]], prompt_lens: list[int], config: DrafterTrainConfig,
+                   out: Path, target: nn.Module | None, pad_id: int, description: str, rank: int = 0,
+                   world: int = 1) -> dict:
+    """The training loop, as rank ``rank`` of ``world``: every rank draws the whole batch and
+    trains on its rows; rank 0 writes the checkpoints, every rank resumes from them."""
+    lead = 1 if model.config.target_hidden_size else 0
     checkpoint = out / "checkpoint.pt"
     for name, parameter in model.named_parameters():
         parameter.requires_grad_(not name.startswith(config.frozen))
@@ -264,36 +317,44 @@ def train_drafter(
         first_step = state["step"]
     schedule = PretrainConfig(steps=config.steps, lr=config.lr, warmup_steps=config.warmup_steps)
     loss_fn = torch.compile(drafter_loss) if config.compile else drafter_loss
+    total_counts = train_workers.summed if world > 1 else None
     model.train()
     start, smoothed = time.perf_counter(), float("nan")
-    bar = tqdm(range(first_step, config.steps), desc=description, unit="step", initial=first_step, total=config.steps)
+    bar = tqdm(range(first_step, config.steps), desc=description, unit="step", initial=first_step, total=config.steps,
+               disable=rank != 0)
     for step in bar:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, schedule)
         # Every trained group size in turn, so blocks of 4, 8 and 16 each get a matching group.
         group_size = model.config.group_sizes[step % len(model.config.group_sizes)]
         tokens, lengths, anchors = sample_batch(sequences, prompt_lens, config, lead, rng, pad_id)
+        mine = train_workers.rows(len(tokens), rank, world)
+        tokens, lengths, anchors = tokens[mine], lengths[mine], anchors[mine]
         batch, targets = denoising_batch(tokens, lengths, anchors, group_size, model.config.mask_token_id, lead)
         target_hidden = None
         if lead:
             target_hidden = _target_hidden(target, tokens, batch.input_ids.shape[1])
         soft = target_soft_labels(target, tokens, model.lm_head, config.bf16) if config.distill else None
         loss, denoise = loss_fn(model, batch, targets, tokens, lengths, config, group_size, lead, target_hidden,
-                                soft, anchors)
+                                soft, anchors, total_counts)
         loss.backward()
+        if world > 1:
+            denoise = train_workers.sum_gradients(trained, denoise)
         torch.nn.utils.clip_grad_norm_(trained, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         value = denoise.item()
         smoothed = value if math.isnan(smoothed) else 0.95 * smoothed + 0.05 * value
         bar.set_postfix(denoise=f"{smoothed:.3f}")
-        if (step + 1) % config.checkpoint_every == 0 and step + 1 < config.steps:
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng.bit_generator.state,
-                        "torch_rng": torch.get_rng_state(), "step": step + 1}, checkpoint)
+        if rank == 0 and (step + 1) % config.checkpoint_every == 0 and step + 1 < config.steps:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(), "step": step + 1},
+                       checkpoint)
     model.eval()
     for parameter in model.parameters():
         parameter.requires_grad_(True)
-    checkpoint.unlink(missing_ok=True)
+    if rank == 0:
+        checkpoint.unlink(missing_ok=True)
     return {"denoise_loss": smoothed, "seconds": time.perf_counter() - start, "config": asdict(config)}
 
 

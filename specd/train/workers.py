@@ -87,6 +87,13 @@ def sum_gradients(parameters: Sequence[nn.Parameter], extra: torch.Tensor | None
     return summed[-1].reshape(extra.shape) if extra is not None else None
 
 
+def summed(tensor: torch.Tensor) -> torch.Tensor:
+    """A small tensor summed over the ranks (a copy; e.g. a loss's denominators)."""
+    total = tensor.detach().clone()
+    dist.all_reduce(total)
+    return total
+
+
 def rows(total: int, rank: int, world: int) -> slice:
     """This rank's rows of a batch of ``total`` (strided, so domains stay mixed on every rank)."""
     return slice(rank, total, world)

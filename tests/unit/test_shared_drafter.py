@@ -4,6 +4,8 @@ Speculation with it stays lossless, and its head is exactly the target's rows.""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -136,7 +138,7 @@ def test_training_leaves_frozen_weights_exactly_as_the_target_has_them(target, t
     sequences = [p + p for p in prompts(6)]
     config = DrafterTrainConfig(steps=3, batch_size=2, seq_len=32, groups_per_seq=2, warmup_steps=1, bf16=False,
                                 frozen=("embed_tokens", "lm_head", "ar_head"))
-    train_drafter(drafter, sequences, [len(s) // 2 for s in sequences], config, tmp_path / "work", pad_id=0)
+    train_drafter(drafter, sequences, [len(s) // 2 for s in sequences], config, tmp_path / "work", pad_id=0, workers=1)
     assert torch.equal(drafter.lm_head.weight, head)
     assert torch.equal(drafter.embed_tokens.weight, target.model.embed_tokens.weight)
     assert not torch.equal(drafter.layers[0].mlp.up_proj.weight, layer)
@@ -166,15 +168,40 @@ def test_distillation_moves_the_drafter_toward_the_targets_distributions(target,
     before = kl()
     training = DrafterTrainConfig(steps=40, batch_size=4, seq_len=32, groups_per_seq=2, warmup_steps=2, lr=3e-3,
                                   bf16=False, distill=True)
-    train_drafter(drafter, sequences, [len(s) // 2 for s in sequences], training, tmp_path / "work", target=target, pad_id=0)
+    train_drafter(drafter, sequences, [len(s) // 2 for s in sequences], training, tmp_path / "work", target=target,
+                  pad_id=0, workers=1)
     assert kl() < 0.8 * before
+
+
+@pytest.mark.parametrize("reads_target", [False, True], ids=["d3d-hard-labels", "dflash-distilled"])
+def test_a_batch_split_over_processes_trains_the_drafter_one_process_trains(target, tmp_path, reads_target):
+    """Three ranks on 5 sequences a batch (uneven rows), against one process: the same weights
+    after a few steps and the same denoising loss. The loss's denominators are the whole batch's
+    (a drafting vocabulary of 96 of 512 tokens drops targets unevenly between ranks, so a mean of
+    the ranks' means would differ); the DFlash-style case reads the target's hidden states and
+    distils its distributions on each rank's own rows."""
+    torch.manual_seed(2)
+    vocab = list(range(DRAFT_VOCAB))
+    split = shared_drafter(target, vocab, reads_target=reads_target).train()
+    alone, start = copy.deepcopy(split), copy.deepcopy(split)
+    sequences = [p + p for p in prompts(10)]
+    config = DrafterTrainConfig(steps=3, batch_size=5, seq_len=32, groups_per_seq=2, warmup_steps=1, lr=3e-3,
+                                bf16=False, distill=reads_target, frozen=("embed_tokens", "lm_head"))
+    lens = [len(s) // 2 for s in sequences]
+    many = train_drafter(split, sequences, lens, config, tmp_path / "split", target=target, pad_id=0, workers=3)
+    one = train_drafter(alone, sequences, lens, config, tmp_path / "one", target=target, pad_id=0, workers=1)
+    assert many["workers"] == 3
+    assert many["denoise_loss"] == pytest.approx(one["denoise_loss"], rel=1e-5)
+    for (name, a), b in zip(split.named_parameters(), alone.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert max((a - b).abs().max().item() for a, b in zip(split.parameters(), start.parameters())) > 1e-3
 
 
 def test_distillation_needs_the_target(target, tmp_path):
     drafter = shared_drafter(target, list(range(DRAFT_VOCAB)))
     config = DrafterTrainConfig(steps=1, batch_size=1, seq_len=16, groups_per_seq=1, bf16=False, distill=True)
     with pytest.raises(ValueError, match="pass target"):
-        train_drafter(drafter, [list(range(3, 30))], [5], config, tmp_path / "work", pad_id=0)
+        train_drafter(drafter, [list(range(3, 30))], [5], config, tmp_path / "work", pad_id=0, workers=1)
 
 
 @pytest.mark.parametrize("block", [4, 8])
