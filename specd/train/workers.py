@@ -15,7 +15,9 @@ all-reduce of a flat buffer) are the whole batch's, and every rank's optimizer s
 identical: the ranks stay equal without a broadcast. Rank 0 writes the result for the parent.
 Results equal one process's up to float summation order (`tests/unit/test_train_workers.py`).
 
-``SPECD_TRAIN_WORKERS=N`` overrides the default (``1``: train in this process).
+``SPECD_TRAIN_WORKERS=N`` overrides the default (``1``: train in this process). As with any
+``spawn``, each rank imports the caller's main module: a script that trains must guard its entry
+point (``if __name__ == "__main__":``), as ``specd``'s CLI and pytest do.
 """
 
 from __future__ import annotations
