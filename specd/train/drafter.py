@@ -274,11 +274,11 @@ def train_drafter(
         blob = io.BytesIO()
         torch.save(module, blob)
         blobs.append(blob.getvalue())
-    result = train_workers.run(_drafter_rank, (*blobs, sequences, prompt_lens, config, out, pad_id, description),
-                               workers)
-    model.load_state_dict(torch.load(result / "model.pt"))
+    with train_workers.run(_drafter_rank, (*blobs, sequences, prompt_lens, config, out, pad_id, description),
+                           workers) as result:
+        model.load_state_dict(torch.load(result / "model.pt"))
+        stats = json.loads((result / "stats.json").read_text())
     model.eval()
-    stats = json.loads((result / "stats.json").read_text())
     # "seconds" counts the ranks' start-up (a few seconds of imports); "loop_seconds" the steps alone.
     return {**stats, "loop_seconds": stats["seconds"], "seconds": time.perf_counter() - start, "workers": workers}
 

@@ -110,10 +110,10 @@ def pretrain(
     start = time.perf_counter()
     blob = io.BytesIO()
     torch.save(model, blob)  # bytes, not the module: spawn would share its tensors between ranks
-    out = train_workers.run(_train_rank, (blob.getvalue(), streams, config, description), workers)
-    model.load_state_dict(torch.load(out / "model.pt"))
+    with train_workers.run(_train_rank, (blob.getvalue(), streams, config, description), workers) as out:
+        model.load_state_dict(torch.load(out / "model.pt"))
+        stats = json.loads((out / "stats.json").read_text())
     model.eval()
-    stats = json.loads((out / "stats.json").read_text())
     # "seconds" counts the ranks' start-up (a few seconds of imports); "loop_seconds" the steps alone.
     return {**stats, "loop_seconds": stats["seconds"], "seconds": time.perf_counter() - start, "workers": workers}
 
