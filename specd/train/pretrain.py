@@ -10,7 +10,7 @@ Design choices, all for CPU throughput within a few minutes on 2 cores:
 - the training step runs eager (`PretrainConfig.compile` is off: with torch 2.13 on 2 cores it
   gained nothing, and in fp32 its AVX-512 code corrupts the heap), and attention uses SDPA's fused
   causal path (`ForwardBatch.dense_causal`);
-- each batch split over single-threaded processes (`specd.train.workers`: 1.22x on 2 cores), with
+- each batch split over single-threaded processes (`specd.train.workers`: about 1.15x on 2 cores), with
   the same result as one process up to float summation order;
 - a fixed number of steps (not a time budget), so a build is reproducible on any machine.
 """

@@ -41,7 +41,7 @@ ENV_VAR = "SPECD_TRAIN_WORKERS"
 
 def default_workers() -> int:
     """Training processes for this machine: 2 where torch runs at least 2 threads (measured on 2
-    cores: 1.22x one process), else 1; ``SPECD_TRAIN_WORKERS`` overrides."""
+    cores only: see the module docstring), else 1; ``SPECD_TRAIN_WORKERS`` overrides."""
     forced = os.environ.get(ENV_VAR, "")
     if forced:
         if not forced.isdigit() or int(forced) < 1:
