@@ -22,7 +22,6 @@ so the summed gradients are the whole batch's, as in one process.
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import time
@@ -266,38 +265,13 @@ def train_drafter(
     out.mkdir(parents=True, exist_ok=True)
     workers = workers or train_workers.default_workers()
     if workers == 1:
-        return _train_drafter(model, sequences, prompt_lens, config, out, target, pad_id, description)
-    start = time.perf_counter()
-    # Bytes, not modules: spawn would share their tensors between the ranks.
-    blobs = []
-    for module in (model, target):
-        blob = io.BytesIO()
-        torch.save(module, blob)
-        blobs.append(blob.getvalue())
-    with train_workers.run(_drafter_rank, (*blobs, sequences, prompt_lens, config, out, pad_id, description),
-                           workers) as result:
-        model.load_state_dict(torch.load(result / "model.pt"))
-        stats = json.loads((result / "stats.json").read_text())
-    model.eval()
-    # "seconds" counts the ranks' start-up (a few seconds of imports); "loop_seconds" the steps alone.
-    return {**stats, "loop_seconds": stats["seconds"], "seconds": time.perf_counter() - start, "workers": workers}
+        return _train_drafter(model, target, sequences, prompt_lens, config, out, pad_id, description)
+    args = (sequences, prompt_lens, config, out, pad_id, description)
+    return train_workers.train(_train_drafter, [model, target], args, workers)
 
 
-def _drafter_rank(rank: int, world: int, threads: int, init_file: str, result: Path, model_blob: bytes,
-                  target_blob: bytes, sequences: list[list[int]], prompt_lens: list[int], config: DrafterTrainConfig,
-                  out: Path, pad_id: int, description: str) -> None:
-    train_workers.join(rank, world, threads, init_file)
-    model = torch.load(io.BytesIO(model_blob), weights_only=False)
-    target = torch.load(io.BytesIO(target_blob), weights_only=False)
-    stats = _train_drafter(model, sequences, prompt_lens, config, out, target, pad_id, description, rank, world)
-    if rank == 0:
-        torch.save(model.state_dict(), result / "model.pt")
-        (result / "stats.json").write_text(json.dumps(stats))
-    train_workers.leave()
-
-
-def _train_drafter(model: D3DModel, sequences: list[list[int]], prompt_lens: list[int], config: DrafterTrainConfig,
-                   out: Path, target: nn.Module | None, pad_id: int, description: str, rank: int = 0,
+def _train_drafter(model: D3DModel, target: nn.Module | None, sequences: list[list[int]], prompt_lens: list[int],
+                   config: DrafterTrainConfig, out: Path, pad_id: int, description: str, rank: int = 0,
                    world: int = 1) -> dict:
     """The training loop, as rank ``rank`` of ``world``: every rank draws the whole batch and
     trains on its rows; rank 0 writes the checkpoints, every rank resumes from them."""

@@ -17,12 +17,9 @@ Design choices, all for CPU throughput within a few minutes on 2 cores:
 
 from __future__ import annotations
 
-import io
-import json
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -107,26 +104,7 @@ def pretrain(
     workers = 1 if on_step is not None else workers or train_workers.default_workers()
     if workers == 1:
         return _train(model, streams, config, description=description, on_step=on_step)
-    start = time.perf_counter()
-    blob = io.BytesIO()
-    torch.save(model, blob)  # bytes, not the module: spawn would share its tensors between ranks
-    with train_workers.run(_train_rank, (blob.getvalue(), streams, config, description), workers) as out:
-        model.load_state_dict(torch.load(out / "model.pt"))
-        stats = json.loads((out / "stats.json").read_text())
-    model.eval()
-    # "seconds" counts the ranks' start-up (a few seconds of imports); "loop_seconds" the steps alone.
-    return {**stats, "loop_seconds": stats["seconds"], "seconds": time.perf_counter() - start, "workers": workers}
-
-
-def _train_rank(rank: int, world: int, threads: int, init_file: str, out: Path, blob: bytes,
-                streams: list[np.ndarray], config: PretrainConfig, description: str) -> None:
-    train_workers.join(rank, world, threads, init_file)
-    model = torch.load(io.BytesIO(blob), weights_only=False)
-    stats = _train(model, streams, config, description=description, rank=rank, world=world)
-    if rank == 0:
-        torch.save(model.state_dict(), out / "model.pt")
-        (out / "stats.json").write_text(json.dumps(stats))
-    train_workers.leave()
+    return train_workers.train(_train, [model], (streams, config), workers, description=description)
 
 
 def _train(

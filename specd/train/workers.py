@@ -24,8 +24,11 @@ point (``if __name__ == "__main__":``), as ``specd``'s CLI and pytest do.
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -63,6 +66,36 @@ def run(worker: Callable, args: Sequence, world: int) -> Iterator[Path]:
         mp.start_processes(worker, args=(world, threads, str(init_file), out_dir, *args), nprocs=world,
                            join=True, start_method="spawn")
         yield out_dir
+
+
+def train(train_fn: Callable[..., dict], modules: Sequence[nn.Module | None], args: Sequence, world: int,
+          **kwargs) -> dict:
+    """Run ``train_fn(*modules, *args, rank=r, world=world, **kwargs)`` in ``world`` spawned ranks
+    on copies of ``modules`` (sent as bytes: spawn would share their tensors between the ranks),
+    load rank 0's weights of ``modules[0]`` back into it, and return rank 0's figures with
+    ``loop_seconds`` (its steps) and ``seconds`` (with the ranks' few seconds of start-up)."""
+    start = time.perf_counter()
+    blobs = []
+    for module in modules:
+        blob = io.BytesIO()
+        torch.save(module, blob)
+        blobs.append(blob.getvalue())
+    with run(_train_rank, (train_fn, blobs, args, kwargs), world) as out:
+        modules[0].load_state_dict(torch.load(out / "model.pt"))
+        stats = json.loads((out / "stats.json").read_text())
+    modules[0].eval()
+    return {**stats, "loop_seconds": stats["seconds"], "seconds": time.perf_counter() - start, "workers": world}
+
+
+def _train_rank(rank: int, world: int, threads: int, init_file: str, out: Path, train_fn: Callable[..., dict],
+                blobs: list[bytes], args: Sequence, kwargs: dict) -> None:
+    join(rank, world, threads, init_file)
+    modules = [torch.load(io.BytesIO(blob), weights_only=False) for blob in blobs]
+    stats = train_fn(*modules, *args, rank=rank, world=world, **kwargs)
+    if rank == 0:
+        torch.save(modules[0].state_dict(), out / "model.pt")
+        (out / "stats.json").write_text(json.dumps(stats))
+    leave()
 
 
 def join(rank: int, world: int, threads: int, init_file: str) -> None:
