@@ -18,7 +18,9 @@ loop's OpenMP workers would sleep between ops, and every op of a pass would pay 
 (``bench/thread_cost.py`` measures what that costs).
 
 The lock `target_lock` is held during every step, so other users of the same target (the
-verifier's tree scoring for the trainer) interleave between steps instead of racing them.
+verifier's tree scoring for the trainer) interleave between steps instead of racing them. It is a
+`FairLock` (FIFO): the loop asks for it again right after each step, and with a plain lock it
+would take it straight back while a Score call waited behind it for minutes under load.
 
 One request must never stop the engine for the others (a probe once poisoned it with
 ``temperature=1e-40``):
@@ -55,7 +57,7 @@ from specd.drafters.base import Drafter
 from specd.engine import EngineConfig, EngineStats, SpeculativeEngine, check_prompt, tau
 from specd.sampling import SamplingParams
 from specd.scheduler import RunningSequence, Scheduler
-from specd.threads import release_pool
+from specd.threads import FairLock, release_pool
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +205,7 @@ class ServingEngine:
         self.vocab_size = target.config.vocab_size
         self.max_model_len = max_model_len or int(getattr(target.config, "max_position_embeddings", 4096))
         self.max_waiting = max_waiting
-        self.target_lock = threading.Lock()
+        self.target_lock = FairLock()  # FIFO: a Score call waiting between steps is not starved
         self._drafter_version = drafter_version
         self._on_finish = on_finish
         self._on_death = on_death

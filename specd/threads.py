@@ -112,3 +112,56 @@ class ComputeThread:
                     future.set_result(fn())
                 except BaseException as err:  # handed to the caller, who raises it
                     future.set_exception(err)
+
+
+class FairLock:
+    """A lock handed over in the order it was asked for (a ticket lock), for a resource one thread
+    uses back to back while others wait: the serving engine's loop holds the target for a step,
+    releases it and asks again at once, and the verifier's Score threads wait for it between steps.
+
+    `threading.Lock` is not FIFO: a release wakes a waiter, but the releasing thread still holds
+    the GIL (and a CPU), so it takes the lock straight back before the waiter runs. On a busy host
+    a Score call then waited for minutes while the engine stepped, and its caller (the trainer,
+    holding its own lock around the step that scores) stopped with it. Here a release passes the
+    lock to the oldest waiter; whoever asks after that queues behind. A context manager, like Lock.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._next = 0  # the ticket the next caller draws
+        self._serving = 0  # the ticket that holds the lock (or may take it)
+
+    def acquire(self, blocking: bool = True) -> bool:
+        """Take the lock once every earlier caller has had it; False without waiting when
+        ``blocking`` is False and it is held or owed to a waiter."""
+        with self._cond:
+            if not blocking and self._next != self._serving:
+                return False
+            ticket = self._next
+            self._next += 1
+            while ticket != self._serving:
+                self._cond.wait()
+            return True
+
+    def release(self) -> None:
+        with self._cond:
+            if self._next == self._serving:
+                raise RuntimeError("release of an unlocked FairLock")
+            self._serving += 1
+            self._cond.notify_all()
+
+    @property
+    def waiting(self) -> int:
+        """Callers queued behind the holder (0 when free or held with none waiting)."""
+        with self._cond:
+            return max(0, self._next - self._serving - 1)
+
+    def locked(self) -> bool:
+        with self._cond:
+            return self._next != self._serving
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()

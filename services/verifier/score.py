@@ -11,8 +11,9 @@ The target is shared with generation, whose engine holds the same lock (`Serving
 around every step. A Score call therefore never holds it for the whole request: the sequences
 are scored in *chunks*, runs of consecutive sequences whose padded pass (sequences x (longest
 context + most tree nodes)) fits ``max_chunk_tokens``, a larger sequence alone; the lock is taken
-for one chunk and released before the next, with a short pause, because a `threading.Lock` is not
-FIFO and the releasing thread would otherwise take it straight back. So an engine step waits for
+for one chunk and released before the next; the lock is FIFO (`specd.threads.FairLock`), so an
+engine step that waited goes before the next chunk, and a chunk that waited goes before the
+engine's next step. So an engine step waits for
 at most one chunk: ``max_chunk_tokens``, or one sequence of at most ``max_model_len`` context
 tokens and its tree, about what the engine's own prefill of a full-length prompt costs. On an
 accelerator the chunk's kernels are waited for before the lock is released, or its queued work
@@ -43,7 +44,6 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 from dataclasses import dataclass
 
 import grpc
@@ -54,16 +54,11 @@ from services.common.server import MAX_MESSAGE_BYTES, abort
 from services.common.tensor_channel import ChannelError, VerifierChannels, check_channel
 from services.common.wire import tensor_to_proto, tree_from_proto
 from specd._proto.v1 import common_pb2, verifier_pb2
-from specd.threads import release_pool
+from specd.threads import FairLock, release_pool
 from specd.train.specopd import LocalScorer
 from specd.tree import TokenTree
 
 logger = logging.getLogger(__name__)
-
-HANDOFF_SECONDS = 1e-3
-"""The pause between two chunks: long enough for a thread blocked on the target lock to wake and
-take it (a `threading.Lock` hands it to no one in particular), short beside a chunk's pass."""
-
 
 @dataclass(kw_only=True, slots=True)
 class _Sequence:
@@ -85,7 +80,7 @@ class ScoreHandler:
     over gRPC). ``max_channels`` bounds the tensor channels kept joined; `close` leaves them all.
     """
 
-    def __init__(self, target: nn.Module, lock: threading.Lock, *, max_model_len: int | None = None,
+    def __init__(self, target: nn.Module, lock: FairLock | threading.Lock, *, max_model_len: int | None = None,
                  max_nodes: int = 32768, max_call_tokens: int = 262144, max_chunk_tokens: int = 4096,
                  max_response_bytes: int = MAX_MESSAGE_BYTES - (1 << 20), max_channels: int = 64) -> None:
         if max_chunk_tokens < 1:
@@ -132,10 +127,8 @@ class ScoreHandler:
     def _score(self, sequences: list[_Sequence], temperature: float) -> list[Tensor]:
         """Each sequence's probabilities [rows, vocab] fp32, one chunk per hold of the target lock."""
         probs: list[Tensor] = []
-        for index, chunk in enumerate(self._chunks(sequences)):
-            if index:
-                time.sleep(HANDOFF_SECONDS)  # an engine step waiting for the target goes first
-            with self.lock:
+        for chunk in self._chunks(sequences):
+            with self.lock:  # FIFO: an engine step waiting for the target goes before this chunk
                 probs.extend(LocalScorer(self.target, temperature).score(
                     [s.context for s in chunk], [s.tree for s in chunk], [s.rows for s in chunk]
                 ))

@@ -28,6 +28,7 @@ from specd.models.d3d import FLAVOURS as D3D_FLAVOURS
 from specd.models.d3d import D3DModel
 from specd.models.qwen3 import FLAVOURS, Qwen3ForCausalLM
 from specd.ports import free_port
+from specd.threads import FairLock
 from specd.train.specopd import (
     LocalScorer,
     SpecOPDConfig,
@@ -403,8 +404,9 @@ def test_chunked_scoring_equals_one_pass_over_the_request(target):
 
 
 def test_an_engine_step_gets_the_target_between_score_chunks(target):
-    """While a large Score call runs, a thread stepping like the engine waits at most ~one chunk."""
-    lock = threading.Lock()
+    """While a large Score call runs, a thread stepping like the engine (asking for the target
+    again the moment it lets go) waits at most ~one chunk, and the call is not starved either."""
+    lock = FairLock()  # the engine's target lock
     server, address = serve(ScoreHandler(target, lock))  # the defaults the verifier runs with
     generator = torch.Generator().manual_seed(7)
     # 2100 context tokens each: two do not fit the default 4096-token chunk, so 12 chunks.
@@ -420,7 +422,6 @@ def test_an_engine_step_gets_the_target_between_score_chunks(target):
                 waits.append((asked, time.monotonic()))
                 stepping.set()
                 time.sleep(0.002)  # a step's pass
-            time.sleep(0.001)  # its bookkeeping outside the lock
 
     engine = threading.Thread(target=engine_steps, daemon=True)
     try:
@@ -442,6 +443,6 @@ def test_an_engine_step_gets_the_target_between_score_chunks(target):
     print(f"Score took {total:.3f} s; {steps} engine steps in it, the longest wait {longest:.3f} s")
     # Held for the whole call, the engine would wait ~the whole call once, stepping only while the
     # request is parsed and answered (a few steps); released between the 12 chunks, it steps ~once
-    # per chunk and waits ~one chunk, a few at worst when the handler takes the lock straight back.
+    # per chunk and waits ~one chunk (the lock is FIFO both ways).
     assert steps >= 8
     assert longest < total / 3

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from specd.threads import ComputeThread, _libgomp, release_pool
+from specd.threads import ComputeThread, FairLock, _libgomp, release_pool
 
 
 def _os_threads() -> int:
@@ -88,3 +88,52 @@ def test_compute_thread_hands_errors_back_and_refuses_after_close():
     compute.close()
     with pytest.raises(RuntimeError, match="closed"):
         compute.run(lambda: 1)
+
+
+def test_a_fair_lock_goes_to_the_oldest_waiter_before_the_holder_takes_it_back():
+    """The engine loop releases the target and asks again at once: with `FairLock` a Score thread
+    already waiting gets it first (a `threading.Lock` lets the releasing thread take it back)."""
+    lock = FairLock()
+    order: list[str] = []
+    lock.acquire()
+    waiters = [threading.Thread(target=lambda name=name: (lock.acquire(), order.append(name), lock.release()))
+               for name in ("first", "second")]
+    for count, waiter in enumerate(waiters, start=1):
+        waiter.start()
+        assert _wait_for(lambda: lock.waiting == count)
+    lock.release()
+    assert not lock.acquire(blocking=False)  # owed to the waiters, not to whoever asks now
+    with lock:  # queues behind both
+        order.append("holder")
+    for waiter in waiters:
+        waiter.join(5)
+    assert order == ["first", "second", "holder"]
+    assert not lock.locked() and lock.acquire(blocking=False)
+    lock.release()
+    with pytest.raises(RuntimeError, match="unlocked"):
+        lock.release()
+
+
+def test_a_score_thread_gets_the_target_while_a_loop_steps_back_to_back():
+    """A loop that holds the lock for a 'step', releases it and takes it again (the engine) lets a
+    thread that asks for it in between in within one step."""
+    lock, stop, steps = FairLock(), threading.Event(), []
+
+    def loop():
+        while not stop.is_set():
+            with lock:
+                steps.append(time.monotonic())
+                time.sleep(0.005)
+
+    looper = threading.Thread(target=loop)
+    looper.start()
+    try:
+        assert _wait_for(lambda: len(steps) >= 3)
+        for _ in range(20):
+            asked = len(steps)
+            with lock:
+                got = len(steps)
+            assert got - asked <= 1  # the step in progress when it asked, and none after
+    finally:
+        stop.set()
+        looper.join(5)
