@@ -192,9 +192,11 @@ class Injector:
         finally:
             self.stack.signal(record.target, signal.SIGCONT)
 
-    def _wait_up(self, *names: str, timeout: float = 20.0) -> None:
+    def _wait_up(self, *names: str, timeout: float = 60.0) -> None:
         """Until Redis answers and the trainer is healthy (those of ``names``), an earlier fault's
-        restart being over; the fault is skipped (an error) when they are not within ``timeout``."""
+        restart being over; the fault is skipped (an error) when they are not within ``timeout``
+        (a minute: on two cores shared with other work a restarted trainer took over 20 s to
+        import torch and load its weights)."""
         deadline = time.monotonic() + timeout
         if "redis" in names:
             while True:

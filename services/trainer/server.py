@@ -79,6 +79,7 @@ from services.trainer.stream import Entry, TraceStream
 from specd._proto.v1 import trainer_pb2, trainer_pb2_grpc
 from specd.models.d3d import D3DModel
 from specd.models.loading import ModelLoadError, load_model
+from specd.threads import FairLock
 from specd.train.data_parallel import exit_job
 from specd.train.online import GateDecision, OnlineConfig, OnlineLearner, Published, Trace
 from specd.train.online_parallel import Leader, ParallelOnlineLearner
@@ -269,7 +270,10 @@ class TrainerService:
         self.stream.ensure_group()
         self._queued: list[Entry] = []  # entries of the learner's queued batch, in order
         self._to_ack: list[str] = []  # entries whose effect the next checkpoint holds
-        self._lock = threading.Lock()  # the learner's models: the loop vs offer()
+        # The learner's models: the loop vs offer(). FIFO: the loop holds it for a step (and a
+        # checkpoint, gate and publish when a version is due) and asks again at once; with a plain
+        # lock it took it straight back, and an Offer waited past its deadline on a loaded host.
+        self._lock = FairLock()
         self._stop = threading.Event()
         if self.learner.counters.live_version:
             self.metrics.live_version.labels(self.learner.counters.live_version).set(1)
