@@ -52,6 +52,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.instrumentation.grpc import filters, server_interceptor
 
 from services.common.config import ServiceConfig
+from services.common.health import HealthServicer
 from services.common.telemetry import get_tracer, setup_tracing
 
 logger = logging.getLogger(__name__)
@@ -159,7 +160,7 @@ class GrpcServer:
             interceptors=interceptors,
             options=[*_options(), ("grpc.so_reuseport", 0)],
         )
-        self._health = health.HealthServicer()
+        self._health = HealthServicer()  # grpcio's froze under leaving watchers (services.common.health)
         self._health_names: tuple[str, ...] = ()
 
     def start(self, service_names: Sequence[str]) -> int:

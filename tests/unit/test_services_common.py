@@ -325,6 +325,15 @@ def _call(channel: grpc.Channel, method: str, payload: bytes = b"x", **kwargs: A
     return b"".join(channel.stream_stream(path)(iter([payload, payload]), **kwargs))
 
 
+def _wait(predicate: Callable[[], bool], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 @pytest.fixture
 def echo_server() -> Callable[..., tuple[str, _Echo, GrpcServer]]:
     """Starts an echo GrpcServer (SERVING) with the given config; stopped after the test."""
@@ -672,3 +681,28 @@ def test_fetch_checkpoint_refuses_a_bad_transfer_and_leaves_nothing(
     assert needle in str(error.value)
     assert not destination.exists() and list(destination.parent.iterdir()) == []
     assert not (tmp_path / "escape").exists()
+
+
+def test_many_health_watchers_leaving_as_the_server_turns_serving_do_not_freeze_it(echo_server):
+    """Every `wait_healthy` caller (a supervisor, a fault injector, a peer) watches health and
+    hangs up on SERVING. grpcio's health servicer sent each watcher its update while holding its
+    lock, waiting for the write, while the server's one event thread ran a leaving watcher's close
+    callback, which takes that lock: the server froze, every call on it hung, and the process kept
+    running (a restarted trainer, in a chaos run). 24 watchers on an 8-thread server: a Watch
+    holding a pool thread (grpcio's blocking mode) would not let them all register either."""
+    address, _, server = echo_server(ServiceConfig(), serving=False)
+    watchers = [threading.Thread(target=wait_healthy, args=(address, ServiceConfig()), kwargs={"timeout": 30})
+                for _ in range(24)]
+    for watcher in watchers:
+        watcher.start()
+    registry = server._health._watchers
+    assert _wait(lambda: len(registry.get("", ())) == len(watchers), 20), "the watchers never registered"
+    turned = threading.Thread(target=server.set_serving, daemon=True)
+    turned.start()
+    turned.join(10)
+    assert not turned.is_alive(), "set_serving froze (health servicer deadlock)"
+    for watcher in watchers:
+        watcher.join(10)
+        assert not watcher.is_alive()
+    with open_channel(address, ServiceConfig()) as channel:  # and the server still answers
+        assert _call(channel, "Unary", b"alive", timeout=5) == b"unary:alive"
