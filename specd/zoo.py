@@ -46,6 +46,7 @@ from specd.data.tokenizer import ENDOFTEXT, IM_END, MASK, PAD
 from specd.models import d3d, gguf_convert, qwen3, qwen3_next, sparse
 from specd.models.d3d import D3DConfig, D3DModel
 from specd.models.loading import architecture, load_model, save_model
+from specd.train import workers as train_workers
 from specd.train.drafter import (
     DrafterTrainConfig,
     draft_vocabulary,
@@ -276,10 +277,12 @@ def _build_drafter(name: str, target: str, config: D3DConfig, training: DrafterT
 
 
 def _train_into(out: Path, name: str, model: D3DModel, target_model, sequences: list[list[int]],
-                prompt_lens: list[int], training: DrafterTrainConfig, *, pad_id: int, tokenizer_from: Path) -> None:
-    """Train a zoo drafter (resumable under ``out/work``) and save it with its target's tokenizer."""
+                prompt_lens: list[int], training: DrafterTrainConfig, *, pad_id: int, tokenizer_from: Path,
+                split: bool = True) -> None:
+    """Train a zoo drafter (resumable under ``out/work``) and save it with its target's tokenizer;
+    ``split``: each batch over `train_workers.default_workers` processes (a small model's step)."""
     stats = train_drafter(model, sequences, prompt_lens, training, out / "work", target=target_model,
-                          pad_id=pad_id, description=name)
+                          pad_id=pad_id, description=name, workers=train_workers.default_workers(split))
     shutil.rmtree(out / "work", ignore_errors=True)
     save_drafter(model, out, stats)
     for file in ("tokenizer.json", "tokenizer_config.json"):
@@ -356,8 +359,10 @@ def _build_shared_drafter(name: str, target: str, spec: dict, training: DrafterT
         sequences, prompt_lens = read_sequences(zoo_dir() / f"responses-{target}" / "sequences.jsonl")
         model = new_shared_drafter(target_model, load_tokenizer(target_dir), spec, sequences, prompt_lens,
                                    reads_target=reads_target)
+        # One process: a step this wide is large matmuls that two threads share well
+        # (`specd.train.workers`: split over two processes it was 1.2x slower).
         _train_into(out, name, model, target_model, sequences, prompt_lens, training,
-                    pad_id=target_model.config.stop_token_ids[0], tokenizer_from=target_dir)
+                    pad_id=target_model.config.stop_token_ids[0], tokenizer_from=target_dir, split=False)
 
     recipe = {"target": target, "drafter": spec, "reads_target": reads_target, "training": asdict(training),
               "responses": SMOLLM2_RESPONSES}

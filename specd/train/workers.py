@@ -9,6 +9,14 @@ the whole batch. In the zoo's own steps, alternated on that host, the split gave
 for the target and 1.09x for the D3D drafter (the README has the figures). So the zoo's training
 splits each batch over `default_workers` processes.
 
+Wide models are the other way round: the step of SmolLM2's D3D drafter (576 wide, a 8192-token
+drafting head, 8 windows of 256 tokens) is a few large matmuls that two threads share well. On 2
+cores of an AVX-512/bf16 EPYC, alternated, one process took 1.56 / 1.69 s a step under bf16
+autocast and 2.9 s in fp32; two took 1.81 / 2.09 s and 3.08 / 3.76 s, plus ~15 s of start-up (each
+rank loads the target). The same host's d3d-qwen3-tiny step: 0.68 / 0.67 s in one process, 0.61 /
+0.60 s in two (`bench/results/train-workers-epyc-avx512.json`). So the zoo trains SmolLM2's
+drafters in one process (``default_workers(split=False)``).
+
 How: ranks are spawned (`torch.multiprocessing`, start method ``spawn``: no forked OpenMP
 state) and meet through a file store in a temporary directory (no port to pick). Every rank
 draws the same whole batch from the same seeded stream and takes its rows ``rank::world``; its
@@ -42,15 +50,16 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 ENV_VAR = "SPECD_TRAIN_WORKERS"
 
 
-def default_workers() -> int:
+def default_workers(split: bool = True) -> int:
     """Training processes for this machine: 2 where torch runs at least 2 threads (measured on 2
-    cores only: see the module docstring), else 1; ``SPECD_TRAIN_WORKERS`` overrides."""
+    cores only: see the module docstring), else 1, and 1 without ``split`` (a wide model's step);
+    ``SPECD_TRAIN_WORKERS`` overrides either."""
     forced = os.environ.get(ENV_VAR, "")
     if forced:
         if not forced.isdigit() or int(forced) < 1:
             raise ValueError(f"{ENV_VAR} must be a whole number of processes, 1 or more; got {forced!r}")
         return int(forced)
-    return 2 if torch.get_num_threads() >= 2 else 1
+    return 2 if split and torch.get_num_threads() >= 2 else 1
 
 
 @contextmanager

@@ -46,3 +46,8 @@ def test_the_worker_count_override_is_checked(monkeypatch):
         workers.default_workers()
     monkeypatch.setenv(workers.ENV_VAR, "3")
     assert workers.default_workers() == 3
+    assert workers.default_workers(split=False) == 3  # the override wins for a wide model too
+    monkeypatch.delenv(workers.ENV_VAR)
+    assert workers.default_workers(split=False) == 1
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert workers.default_workers() == 2
