@@ -60,7 +60,9 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
         service = request.service
         with self._lock:
             self._watchers.setdefault(service, set()).add(watcher)
-        context.add_callback(lambda: self._leave(watcher, service))
+        if not context.add_callback(lambda: self._leave(watcher, service)):
+            self._leave(watcher, service)  # the RPC already ended: no callback will come
+            return
         self._notify(watcher, service)
 
     Watch.experimental_non_blocking = True  # grpc passes send_response_callback; no thread is held
