@@ -14,7 +14,7 @@ drafting head, 8 windows of 256 tokens) is a few large matmuls that two threads 
 cores of an AVX-512/bf16 EPYC, alternated, one process took 1.56 / 1.69 s a step under bf16
 autocast and 2.9 s in fp32; two took 1.81 / 2.09 s and 3.08 / 3.76 s, plus ~15 s of start-up (each
 rank loads the target). The same host's d3d-qwen3-tiny step: 0.68 / 0.67 s in one process, 0.61 /
-0.60 s in two (`bench/results/train-workers-epyc-avx512.json`). So the zoo trains SmolLM2's
+0.60 s in two (`bench/train_workers.py`; `bench/results/train-workers-epyc-avx512.json`). So the zoo trains SmolLM2's
 drafters in one process (``default_workers(split=False)``).
 
 How: ranks are spawned (`torch.multiprocessing`, start method ``spawn``: no forked OpenMP
