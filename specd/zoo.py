@@ -247,19 +247,25 @@ def _build_responses(target: str, recipe: dict = RESPONSES, default: bool = True
     ``chat_template``, chats rendered in the target's own template, tokenised by its tokenizer)."""
 
     def run(out: Path) -> None:
-        model = load_model(model_path(target))
-        documents = {d: train_documents(d) for d in DOMAINS}
-        if recipe.get("chat_template"):
-            tokenizer, template = load_tokenizer(model_path(target)), ChatTemplate.from_dir(model_path(target))
-        else:
-            tokenizer, template = load_tokenizer(tokenizer_dir(), zoo=True), None
-        prompts = training_prompts(documents, tokenizer, recipe["per_domain"], recipe["seed"], template=template)
-        sequences = generate_responses(model, prompts, recipe["max_tokens"], batch=recipe.get("batch", 32),
-                                       bf16=recipe.get("bf16", False))
-        write_sequences(out / "sequences.jsonl", sequences, [len(p) for p in prompts])
+        write_responses(target, recipe, out / "sequences.jsonl")
 
     return Step(name=f"responses-{target}", recipe={"target": target, **recipe}, run=run, needs=(target, "data"),
                 default=default)
+
+
+def write_responses(target: str, recipe: dict, path: Path) -> None:
+    """Generate the built ``target``'s answers to ``recipe["per_domain"]`` training prompts of
+    each domain (a responses step's recipe) into ``path`` (`write_sequences`)."""
+    model = load_model(model_path(target))
+    documents = {d: train_documents(d) for d in DOMAINS}
+    if recipe.get("chat_template"):
+        tokenizer, template = load_tokenizer(model_path(target)), ChatTemplate.from_dir(model_path(target))
+    else:
+        tokenizer, template = load_tokenizer(tokenizer_dir(), zoo=True), None
+    prompts = training_prompts(documents, tokenizer, recipe["per_domain"], recipe["seed"], template=template)
+    sequences = generate_responses(model, prompts, recipe["max_tokens"], batch=recipe.get("batch", 32),
+                                   bf16=recipe.get("bf16", False))
+    write_sequences(path, sequences, [len(p) for p in prompts])
 
 
 def _build_drafter(name: str, target: str, config: D3DConfig, training: DrafterTrainConfig, default: bool = True) -> Step:
@@ -272,8 +278,15 @@ def _build_drafter(name: str, target: str, config: D3DConfig, training: DrafterT
         _train_into(out, name, model, target_model, sequences, prompt_lens, training,
                     pad_id=SPECIAL_TOKENS.index(PAD), tokenizer_from=tokenizer_dir())
 
-    recipe = {"target": target, "config": asdict(config), "training": asdict(training), "responses": RESPONSES}
+    recipe = {"target": target, "config": asdict(config), "training": asdict(training), "responses": RESPONSES,
+              **_lead_recipe(config.target_hidden_size > 0)}
     return Step(name=name, recipe=recipe, run=run, needs=(target, f"responses-{target}"), default=default)
+
+
+def _lead_recipe(reads_target: bool) -> dict:
+    """A DFlash-style drafter's group-lead attention in its recipe: the leading known token sees
+    the trunk only (as served) since drafters built with it seeing its masks; D3D has no lead."""
+    return {"group_lead": "sees-trunk"} if reads_target else {}
 
 
 def _train_into(out: Path, name: str, model: D3DModel, target_model, sequences: list[list[int]],
@@ -365,7 +378,7 @@ def _build_shared_drafter(name: str, target: str, spec: dict, training: DrafterT
                     pad_id=target_model.config.stop_token_ids[0], tokenizer_from=target_dir, split=False)
 
     recipe = {"target": target, "drafter": spec, "reads_target": reads_target, "training": asdict(training),
-              "responses": SMOLLM2_RESPONSES}
+              "responses": SMOLLM2_RESPONSES, **_lead_recipe(reads_target)}
     return Step(name=name, recipe=recipe, run=run, needs=(target, f"responses-{target}"), default=default)
 
 

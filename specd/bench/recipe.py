@@ -2,7 +2,9 @@
 
 A SmolLM2 drafter build trains ~20 minutes on two cores, and the engine's τ needs one built;
 this bench asks the cheaper question first, same run: at a short budget, how far does the zoo's
-recipe draft with each learning rate (and start from which of the target's layers)?
+recipe draft with each learning rate (and start from which of the target's layers), and how does
+D3D compare with the DFlash-style drafter (which reads the target's hidden states) given the same
+answers, recipe and steps?
 
 The target's own responses (the zoo step ``responses-<target>``) are split by index: every 10th
 is held out, the rest are trained on. Each variant is the zoo recipe (`zoo.SMOLLM2_DRAFTER`,
@@ -11,10 +13,17 @@ the same seed. It is then scored on the held-out responses that were generated g
 `generate_responses`), at ``--anchors`` random anchors per response, by
 `specd.train.drafter.block_acceptance`: greedy acceptance per position of a block of ``--block``
 against the target's own greedy continuation, and τ = 1 + their sum. These answers were
-generated under bf16 autocast, so the figure is a proxy for the engine's (fp32 target) τ,
-good for ranking recipes; `specd bench decode --fixed-block` measures the real one.
+generated under bf16 autocast where the CPU computes bf16, so the figure is a proxy for the
+engine's (fp32 target) τ, good for ranking recipes; `specd bench decode --fixed-block` measures
+the real one. The DFlash-style drafter is scored as it serves: the target's (fp32) hidden states
+of the context but its last token, and the whole block from the group that token leads.
 
-    specd bench recipe [--target smollm2-135m] [--lrs 5e-4,2e-3,4e-3] [--layers 0-1-2-3,0-1-28-29] [--train-share S]
+``--answers-per-domain N`` trains on N answers per domain generated for this bench (cached under
+``OUT/recipe-work``) instead of the zoo's 1024: a comparison within a smaller budget, where
+generating the zoo's answers would take most of an hour.
+
+    specd bench recipe [--target smollm2-135m] [--drafters d3d,dflash] [--lrs 5e-4,2e-3,4e-3]
+                       [--layers 0-1-2-3,0-1-28-29] [--train-share S] [--answers-per-domain N]
                        [--steps 600] [--block 16] [--json PATH]
 """
 
@@ -33,9 +42,13 @@ from matplotlib.figure import Figure  # object API: no pyplot state, no display 
 from specd import zoo
 from specd.data import load_tokenizer
 from specd.models.loading import load_model
+from specd.train import workers as train_workers
 from specd.train.drafter import block_acceptance, read_sequences, train_drafter
 
 HELD_OUT_EVERY = 10  # response i is held out when i % 10 == 9
+
+
+DRAFTERS = ("d3d", "dflash")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -55,6 +68,10 @@ class RecipeRow:
     train_seconds: float
     train_share: float = 1.0
     """Share of the non-held-out answers trained on."""
+    drafter: str = "d3d"
+    """``d3d``, or ``dflash``: the same recipe reading the target's hidden states."""
+    answers: int = 0
+    """Answers trained on."""
     threads: int = field(default_factory=torch.get_num_threads)
 
 
@@ -81,33 +98,38 @@ def random_anchors(sequences: list[list[int]], prompt_lens: list[int], block: in
 
 
 def run_variant(target, tokenizer, sequences, prompt_lens, *, lr: float, layers_from: list[int], steps: int,
-                block: int, anchors_per_seq: int, work: Path, train_share: float = 1.0) -> RecipeRow:
+                block: int, anchors_per_seq: int, work: Path, train_share: float = 1.0,
+                drafter: str = "d3d") -> RecipeRow:
     spec = {**zoo.SMOLLM2_DRAFTER, "num_hidden_layers": len(layers_from), "layers_from": layers_from}
     training = replace(zoo.SMOLLM2_DRAFTER_TRAINING, steps=steps, lr=lr)
+    reads_target = drafter == "dflash"
     trained, held = split(len(sequences))
     trained = trained[: max(1, round(len(trained) * train_share))]  # the held-out set does not change
     train_seqs, train_lens = [sequences[i] for i in trained], [prompt_lens[i] for i in trained]
     torch.manual_seed(training.seed)
-    model = zoo.new_shared_drafter(target, tokenizer, spec, train_seqs, train_lens)
+    model = zoo.new_shared_drafter(target, tokenizer, spec, train_seqs, train_lens, reads_target=reads_target)
     start = time.perf_counter()
     stats = train_drafter(model, train_seqs, train_lens, training, work, target=target,
-                          pad_id=target.config.stop_token_ids[0], description=f"lr {lr:g} layers {layers_from}")
+                          pad_id=target.config.stop_token_ids[0], workers=train_workers.default_workers(split=False),
+                          description=f"{drafter} lr {lr:g} layers {layers_from}")
     seconds = time.perf_counter() - start
     held_seqs, anchors = random_anchors([sequences[i] for i in held], [prompt_lens[i] for i in held], block,
                                         anchors_per_seq, seed=1)
-    counts, blocks = block_acceptance(model, held_seqs, anchors, block, bf16=training.bf16)
+    counts, blocks = block_acceptance(model, held_seqs, anchors, block, bf16=training.bf16,
+                                      target=target if reads_target else None)
     accept = (counts.double() / max(blocks, 1)).tolist()
     return RecipeRow(lr=lr, layers_from=layers_from, steps=steps, block=block, tau=1 + sum(accept),
                      accept_per_pos=accept, blocks=blocks, denoise_loss=stats["denoise_loss"], train_seconds=seconds,
-                     train_share=train_share)
+                     train_share=train_share, drafter=drafter, answers=len(train_seqs))
 
 
 def format_table(rows: list[RecipeRow]) -> str:
-    lines = ["| lr | layers from | steps | answers | τ (block %d) | acceptance at positions 1-4 | vs first row | train s |"
-             % rows[0].block, "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| drafter | lr | layers from | steps | answers | τ (block %d) | acceptance at positions 1-4 "
+             "| vs first row | train s |" % rows[0].block, "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         accept = " ".join(f"{a:.3f}" for a in row.accept_per_pos[:4])
-        lines.append(f"| {row.lr:g} | {'-'.join(map(str, row.layers_from))} | {row.steps} | {row.train_share:.0%} "
+        lines.append(f"| {row.drafter} | {row.lr:g} | {'-'.join(map(str, row.layers_from))} | {row.steps} "
+                     f"| {row.answers} ({row.train_share:.0%}) "
                      f"| {row.tau:.3f} | {accept} "
                      f"| {row.tau / rows[0].tau:.3f}x | {row.train_seconds:.0f} |")
     return "\n".join(lines)
@@ -119,7 +141,7 @@ def plot(rows: list[RecipeRow], path: Path) -> None:
     ax = fig.add_subplot()
     for row in rows:
         ax.plot(range(1, row.block + 1), row.accept_per_pos, marker="o",
-                label=f"lr {row.lr:g}, layers {'-'.join(map(str, row.layers_from))}: τ {row.tau:.2f}")
+                label=f"{row.drafter}, lr {row.lr:g}, layers {'-'.join(map(str, row.layers_from))}: τ {row.tau:.2f}")
     ax.set_xlabel("block position")
     ax.set_ylabel("P(accepted through this position)")
     ax.set_title(f"held-out greedy acceptance, {rows[0].steps} steps")
@@ -130,6 +152,9 @@ def plot(rows: list[RecipeRow], path: Path) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=zoo.SMOLLM2, help="zoo target with shared-layer drafters (smollm2-135m)")
+    parser.add_argument("--drafters", default="d3d",
+                        help="comma-separated drafters to train on the same answers: d3d, "
+                             "dflash (reads the target's hidden states)")
     parser.add_argument("--lrs", default="5e-4,2e-3,4e-3", help="comma-separated peak learning rates")
     parser.add_argument("--layers", default="0-1-2-3",
                         help="comma-separated target layers to start from, each as i-j-k-l (e.g. 0-1-2-3,0-1-28-29)")
@@ -138,9 +163,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--anchors", type=int, default=8, help="anchors per held-out response")
     parser.add_argument("--train-share", type=float, default=1.0,
                         help="train on this share of the non-held-out answers (how much more data would help)")
+    parser.add_argument("--answers-per-domain", type=int,
+                        help="generate this many answers per domain for this bench (cached) instead of the zoo's 1024")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="out/bench", help="directory for the JSON and the work directories")
     parser.add_argument("--json", help="JSON path (default OUT/recipe.json; the plot beside it as .png)")
+
+
+def answers(target: str, per_domain: int | None, work: Path) -> tuple[list[list[int]], list[int]]:
+    """The target's answers to train and score on: the zoo's (``per_domain`` None), or
+    ``per_domain`` a domain generated with the zoo's recipe otherwise and cached under ``work``."""
+    if per_domain is None:
+        zoo.build(only=f"responses-{target}")  # the training data (cached)
+        return read_sequences(zoo.zoo_dir() / f"responses-{target}" / "sequences.jsonl")
+    path = work / f"responses-{target}-{per_domain}" / "sequences.jsonl"
+    if not path.is_file():
+        for step in ("data", target):
+            zoo.build(only=step)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        zoo.write_responses(target, {**zoo.SMOLLM2_RESPONSES, "per_domain": per_domain}, partial)
+        partial.rename(path)
+    return read_sequences(path)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -157,21 +201,28 @@ def run(args: argparse.Namespace) -> int:
                          f"not {args.layers!r}") from None
     if not 0 < args.train_share <= 1:
         raise ValueError(f"--train-share is a share of the answers in (0, 1], not {args.train_share}")
+    drafters = args.drafters.split(",")
+    if not drafters or any(d not in DRAFTERS for d in drafters):
+        raise ValueError(f"--drafters takes a comma-separated list of {', '.join(DRAFTERS)}, not {args.drafters!r}")
+    if args.answers_per_domain is not None and args.answers_per_domain < HELD_OUT_EVERY:
+        raise ValueError(f"--answers-per-domain must be at least {HELD_OUT_EVERY} (one in {HELD_OUT_EVERY} is held "
+                         f"out), not {args.answers_per_domain}")
     torch.set_num_threads(args.threads)
-    zoo.build(only=f"responses-{args.target}")  # the training data (cached)
+    out = Path(args.out)
+    sequences, prompt_lens = answers(args.target, args.answers_per_domain, out / "recipe-work")
     target = load_model(zoo.model_path(args.target))
     tokenizer = load_tokenizer(zoo.model_path(args.target))
-    sequences, prompt_lens = read_sequences(zoo.zoo_dir() / f"responses-{args.target}" / "sequences.jsonl")
-    out = Path(args.out)
     rows = []
-    for layers_from in layer_sets:
-        for lr in lrs:
-            name = f"lr{lr:g}-layers{'-'.join(map(str, layers_from))}-steps{args.steps}-share{args.train_share:g}"
-            work = out / "recipe-work" / name
-            rows.append(run_variant(target, tokenizer, sequences, prompt_lens, lr=lr, layers_from=layers_from,
-                                    steps=args.steps, block=args.block, anchors_per_seq=args.anchors, work=work,
-                                    train_share=args.train_share))
-            print(format_table(rows), flush=True)
+    for drafter in drafters:
+        for layers_from in layer_sets:
+            for lr in lrs:
+                name = (f"{drafter}-lr{lr:g}-layers{'-'.join(map(str, layers_from))}-steps{args.steps}"
+                        f"-share{args.train_share:g}-answers{len(sequences)}")
+                rows.append(run_variant(target, tokenizer, sequences, prompt_lens, lr=lr, layers_from=layers_from,
+                                        steps=args.steps, block=args.block, anchors_per_seq=args.anchors,
+                                        work=out / "recipe-work" / name, train_share=args.train_share,
+                                        drafter=drafter))
+                print(format_table(rows), flush=True)
     path = Path(args.json) if args.json else out / "recipe.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: v for k, v in vars(args).items() if k != "func"}

@@ -13,7 +13,8 @@ an auxiliary autoregressive cross-entropy from the trunk through ``ar_head``.
 
 The DFlash-style variant reads the target's final hidden states at trunk positions, and its
 group starts with the known token before the block (whose target state the drafter cannot have
-at draft time, since the target has not run on it yet).
+at draft time, since the target has not run on it yet). That token sees the trunk, not the masks
+after it, as in the served pass.
 
 Each batch is split over single-threaded processes (`specd.train.workers`) by rows; the loss's
 denominators (weighted denoising targets, AR targets) are summed over the ranks before dividing,
@@ -156,8 +157,11 @@ def denoising_batch(
     sees_trunk = trunk[None, None, :] < (anchors - lead)[:, :, None]  # [num_seqs, groups, seq_len]
     group_of = torch.arange(groups).repeat_interleave(width)  # [groups * width]
     mask[:, seq_len:, :seq_len] = sees_trunk[:, group_of]
-    same_group = group_of[:, None] == group_of[None, :]
-    mask[:, seq_len:, seq_len:] = same_group
+    # Masks see their whole group; a leading known token sees only the leads up to itself, as in
+    # the served pass, where it is a committed node of the context and the masks come after it.
+    in_group = torch.arange(width).repeat(groups)
+    sees = (in_group[:, None] >= lead) | (in_group[None, :] <= in_group[:, None])
+    mask[:, seq_len:, seq_len:] = (group_of[:, None] == group_of[None, :]) & sees
 
     target_positions = positions_groups[:, :, lead:]  # [num_seqs, groups, group_size]
     valid = target_positions < lengths[:, None, None]
@@ -335,17 +339,22 @@ def _train_drafter(model: D3DModel, target: nn.Module | None, sequences: list[li
 
 @torch.no_grad()
 def drafted_blocks(model: D3DModel, sequences: list[list[int]], anchors: list[list[int]], block: int, *,
-                   bf16: bool = False, rows: int = 16) -> Tensor:
-    """The greedy block ``[num_anchors, block]`` a D3D drafter drafts at each anchor of each
-    sequence, in order: anchor ``a`` drafts tokens ``a .. a + block - 1`` from ``sequence[:a]``
+                   bf16: bool = False, rows: int = 16, target: nn.Module | None = None) -> Tensor:
+    """The greedy block ``[num_anchors, block]`` a drafter drafts at each anchor of each sequence,
+    in order: anchor ``a`` drafts tokens ``a .. a + block - 1`` from ``sequence[:a]``
     (``1 <= a <= len(sequence) - block``).
 
-    One packed pass per ``rows`` sequences (`denoising_batch`) drafts every anchor's block, the
-    first token from the AR head at the anchor's parent and the rest from the mask group, as
-    `D3DDrafter.draft` drafts them (a test holds the two equal), without the engine. D3D only:
-    the DFlash-style drafter needs target states."""
-    if model.config.target_hidden_size:
-        raise ValueError("drafted_blocks runs D3D drafters (the DFlash-style one reads target states)")
+    One packed pass per ``rows`` sequences (`denoising_batch`) drafts every anchor's block as the
+    served drafter drafts it (tests hold the two equal), without the engine:
+    - D3D (`D3DDrafter.draft`): the first token from the AR head at the anchor's parent, the rest
+      from the mask group;
+    - the DFlash-style drafter (`DFlashDrafter.draft`; pass ``target``): the trunk reads the
+      target's hidden states, and the whole block comes from a group led by the known token
+      before it, whose state the drafter cannot have at draft time."""
+    reads_target = bool(model.config.target_hidden_size)
+    if reads_target and target is None:
+        raise ValueError("the DFlash-style drafter drafts from the target's hidden states: pass target")
+    lead = 1 if reads_target else 0
     group = model.config.group_size_for(block)
     was_training = model.training
     model.eval()
@@ -364,38 +373,43 @@ def drafted_blocks(model: D3DModel, sequences: list[list[int]], anchors: list[li
             anchor_grid[row, : len(seq_anchors)] = torch.tensor(seq_anchors, dtype=torch.long)
             real[row, : len(seq_anchors)] = True
         lengths = torch.tensor([len(s) for s in chunk])
-        batch, _ = denoising_batch(tokens, lengths, anchor_grid, group, model.config.mask_token_id)
+        batch, _ = denoising_batch(tokens, lengths, anchor_grid, group, model.config.mask_token_id, lead)
+        # In the target's own dtype, as the engine hands them to the drafter.
+        target_hidden = _target_hidden(target, tokens, batch.input_ids.shape[1], bf16=False) if reads_target else None
         with cpu_autocast(bf16):
-            hidden = model.hidden_states(batch)
-        group_hidden = hidden[:, width:].view(len(chunk), per_seq, group, -1)[:, :, :block]
+            hidden = model.hidden_states(batch, None, target_hidden)
+        group_hidden = hidden[:, width:].view(len(chunk), per_seq, lead + group, -1)[:, :, lead : lead + block]
         drafted = model.lm_head(group_hidden.float()).argmax(-1)  # [rows, per_seq, block]
-        parents = hidden[torch.arange(len(chunk))[:, None], anchor_grid - 1]
-        drafted[:, :, 0] = model.ar_head(parents.float()).argmax(-1)
+        if not reads_target:
+            parents = hidden[torch.arange(len(chunk))[:, None], anchor_grid - 1]
+            drafted[:, :, 0] = model.ar_head(parents.float()).argmax(-1)
         out.append(drafted[real])
     model.train(was_training)
     return torch.cat(out) if out else torch.zeros(0, block, dtype=torch.long)
 
 
 def block_acceptance(model: D3DModel, sequences: list[list[int]], anchors: list[list[int]], block: int, *,
-                     bf16: bool = False) -> tuple[Tensor, int]:
+                     bf16: bool = False, target: nn.Module | None = None) -> tuple[Tensor, int]:
     """Greedy acceptance per block position of the blocks `drafted_blocks` drafts, against the
     sequences' own next tokens: ``(counts [block], blocks)``, where ``counts[i]`` is how many
     blocks had their first ``i + 1`` drafted tokens all equal to the sequence's.
 
     When a sequence is the target's greedy continuation of its prompt, that is what greedy
     verification accepts, so ``1 + counts.sum() / blocks`` is τ at a fixed block, measured
-    without the engine or the target."""
-    drafted = drafted_blocks(model, sequences, anchors, block, bf16=bf16)
+    without the engine (nor the target, but for the hidden states a DFlash-style drafter reads)."""
+    drafted = drafted_blocks(model, sequences, anchors, block, bf16=bf16, target=target)
     truth = torch.tensor([seq[a : a + block] for seq, seq_anchors in zip(sequences, anchors) for a in seq_anchors],
                          dtype=torch.long).view(-1, block)
     return (drafted == truth).long().cumprod(-1).sum(0), len(truth)
 
 
 @torch.no_grad()
-def _target_hidden(target: nn.Module, tokens: Tensor, total: int) -> Tensor:
-    """Target final hidden states at trunk positions, zero at group columns."""
+def _target_hidden(target: nn.Module, tokens: Tensor, total: int, bf16: bool = True) -> Tensor:
+    """Target final hidden states at trunk positions, zero at group columns (``bf16``: under bf16
+    autocast where the CPU computes it, as training reads them; the engine's target runs in its own
+    dtype)."""
     num_seqs, seq_len = tokens.shape
-    with cpu_autocast():
+    with cpu_autocast(bf16):
         hidden = target.hidden_states(ForwardBatch.dense(tokens)).float()
     out = hidden.new_zeros(num_seqs, total, hidden.shape[-1])
     out[:, :seq_len] = hidden

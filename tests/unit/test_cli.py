@@ -93,6 +93,8 @@ def test_bench_decode_refuses_an_unknown_domain_or_method(capsys, flag, value, m
     (["--lrs", "fast"], "--lrs"),
     (["--layers", "0-x"], "--layers"),
     (["--train-share", "1.5"], "--train-share"),
+    (["--drafters", "d3d,medusa"], "--drafters"),
+    (["--answers-per-domain", "3"], "--answers-per-domain"),
 ])
 def test_bench_recipe_refuses_what_it_cannot_train(capsys, args, message):
     """Refused before anything is built or trained, with what to pass instead."""

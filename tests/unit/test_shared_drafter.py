@@ -9,8 +9,10 @@ import copy
 import pytest
 import torch
 
+from specd.batch import ForwardBatch
 from specd.drafters.base import DraftRequest
 from specd.drafters.d3d import D3DDrafter
+from specd.drafters.dflash import DFlashDrafter
 from specd.engine import EngineConfig, SpeculativeEngine, autoregressive
 from specd.models.d3d import D3DModel
 from specd.models.llama import FLAVOURS, LlamaForCausalLM
@@ -19,6 +21,7 @@ from specd.sampling import SamplingParams
 from specd.train.drafter import (
     DrafterTrainConfig,
     block_acceptance,
+    denoising_batch,
     draft_vocabulary,
     drafted_blocks,
     init_from_target,
@@ -45,12 +48,13 @@ def prompts(num: int) -> list[list[int]]:
             for n in torch.randint(3, 20, (num,), generator=generator)]
 
 
-def shared_drafter(target, vocab: list[int], reads_target: bool = False) -> D3DModel:
-    config = shared_drafter_config(target.config, num_hidden_layers=1, draft_vocab_size=len(vocab),
+def shared_drafter(target, vocab: list[int], reads_target: bool = False,
+                   layers_from: tuple[int, ...] = (1,)) -> D3DModel:
+    config = shared_drafter_config(target.config, num_hidden_layers=len(layers_from), draft_vocab_size=len(vocab),
                                    mask_token_id=1, reads_target=reads_target)
     drafter = D3DModel(config)
     drafter.set_draft_vocab(vocab)
-    assert init_from_target(drafter, target, layers_from=[1])
+    assert init_from_target(drafter, target, layers_from=list(layers_from))
     return drafter.eval()
 
 
@@ -221,6 +225,56 @@ def test_packed_blocks_are_the_blocks_the_drafter_serves(target, block):
             expected.append(served.draft([DraftRequest(seq_id=0, context=seq[:a], block_size=block, params=greedy)])[0].tokens)
             served.release(0)
     assert packed.tolist() == expected
+
+
+@pytest.mark.parametrize("lead", [0, 1])
+def test_a_group_sees_the_trunk_before_it_and_its_lead_sees_no_mask(lead):
+    """The packed training pass's attention (`denoising_batch`): the trunk is causal; a group sees
+    the trunk before its first position; its masks see the whole group; a leading known token
+    (the DFlash-style drafter's) sees itself but no mask, as in the served pass, where it is a
+    committed node that the masks come after."""
+    tokens = torch.arange(3, 13).view(1, 10)
+    anchors = torch.tensor([[4, 7]])
+    batch, targets = denoising_batch(tokens, torch.tensor([10]), anchors, 3, mask_token_id=1, lead=lead)
+    mask, width, trunk = batch.mask[0], lead + 3, 10
+    assert torch.equal(mask[:trunk, :trunk], torch.ones(trunk, trunk, dtype=torch.bool).tril())
+    assert targets[0].tolist() == [[7, 8, 9], [10, 11, 12]]
+    for g, anchor in enumerate(anchors[0].tolist()):
+        rows = slice(trunk + g * width, trunk + (g + 1) * width)
+        assert torch.equal(mask[rows, :trunk], (torch.arange(trunk) < anchor - lead).expand(width, trunk))
+        own = mask[rows, rows]
+        assert bool(own[lead:].all())  # masks: the whole group, lead included
+        assert torch.equal(own[:lead], torch.ones(lead, width, dtype=torch.bool).tril()[:, :width])
+        others = [c for c in range(trunk, trunk + 2 * width) if not rows.start <= c < rows.stop]
+        assert not bool(mask[rows][:, others].any())
+    assert batch.input_ids[0, trunk:].tolist() == ([6, 1, 1, 1, 9, 1, 1, 1] if lead else [1] * 6)
+
+
+@pytest.mark.parametrize("block", [4, 8])
+def test_packed_dflash_blocks_are_the_blocks_the_dflash_drafter_serves(target, block):
+    """The DFlash-style drafter, packed (`drafted_blocks` with the target) against served
+    (`DFlashDrafter.draft` after `observe` handed it the target's states of the context but its
+    last token, as the engine does): the whole block from the group led by the known last token."""
+    drafter = shared_drafter(target, list(range(DRAFT_VOCAB)), reads_target=True, layers_from=(0, 1))
+    sequences = [p + p + p for p in prompts(5)]
+    generator = torch.Generator().manual_seed(4)
+    anchors = [sorted(torch.randint(1, len(s) - block + 1, (3,), generator=generator).tolist()) for s in sequences]
+    packed = drafted_blocks(drafter, sequences, anchors, block, rows=2, target=target)
+    served = DFlashDrafter(drafter, max_num_seqs=1)
+    greedy = SamplingParams(max_tokens=block, temperature=0.0)
+    expected = []
+    with torch.no_grad():
+        for seq, seq_anchors in zip(sequences, anchors):
+            for a in seq_anchors:
+                context = seq[:a]
+                states = target.hidden_states(ForwardBatch.dense(torch.tensor([context])))[0]
+                served.observe(0, context[:-1], states[:-1])
+                request = DraftRequest(seq_id=0, context=context, block_size=block, params=greedy)
+                expected.append(served.draft([request])[0].tokens)
+                served.release(0)
+    assert packed.tolist() == expected
+    with pytest.raises(ValueError, match="pass target"):
+        drafted_blocks(drafter, sequences, anchors, block)
 
 
 def test_block_acceptance_counts_the_matched_prefix_of_each_block(target):
