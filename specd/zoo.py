@@ -435,10 +435,15 @@ def steps() -> list[Step]:
 
 
 @contextmanager
-def _locked() -> Iterator[None]:
+def _locked(log: Callable[[str], None] = print) -> Iterator[None]:
+    """The zoo's build lock; says so when another build holds it, rather than waiting silently."""
     zoo_dir().mkdir(parents=True, exist_ok=True)
     with open(zoo_dir() / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"[zoo] waiting for another zoo build to finish (it holds {zoo_dir() / '.lock'})")
+            fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
 
@@ -459,7 +464,7 @@ def build(log: Callable[[str], None] = print, only: str | None = None) -> list[s
                 wanted.add(name)
                 todo.extend(by_name[name].needs)
         chosen = [step for step in chosen if step.name in wanted]
-    with _locked():
+    with _locked(log):
         log(f"[zoo] CPU compute: {precision.describe()}")
         ran = [step.name for step in chosen if run_step(step, log, full_recipe(step, by_name))]
     return ran

@@ -3,7 +3,9 @@ nothing else (a drafter trained on an older target's answers is stale, whatever 
 
 from __future__ import annotations
 
+import fcntl
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -51,3 +53,28 @@ def test_an_unknown_step_is_refused_with_the_names(tmp_path, monkeypatch):
     monkeypatch.setattr(zoo, "steps", lambda: _steps([], 1))
     with pytest.raises(ValueError, match="steps: data, target"):
         zoo.build(log=lambda _: None, only="nope")
+
+
+def test_a_build_waiting_for_another_builds_lock_says_so_then_builds(tmp_path, monkeypatch):
+    """A second build (say `specd bench recipe` while `specd zoo build` runs) blocks on the zoo's
+    lock; it says why, and builds once the lock is free."""
+    monkeypatch.setenv("SPECD_ZOO", str(tmp_path))
+    runs: list[str] = []
+    monkeypatch.setattr(zoo, "steps", lambda: _steps(runs, 1))
+    said: list[str] = []
+    waiting = threading.Event()
+
+    def log(line: str) -> None:
+        said.append(line)
+        if "waiting" in line:
+            waiting.set()
+
+    with open(tmp_path / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        builder = threading.Thread(target=zoo.build, kwargs={"log": log, "only": "data"})
+        builder.start()
+        assert waiting.wait(30), f"no line said the build waits for the lock: {said}"
+        assert runs == []  # nothing built while the lock is held
+        fcntl.flock(held, fcntl.LOCK_UN)
+    builder.join(30)
+    assert not builder.is_alive() and runs == ["data"]
