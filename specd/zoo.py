@@ -242,30 +242,30 @@ RESPONSES = {"per_domain": 256, "max_tokens": 64, "seed": 0, "greedy": 0.75}
 DRAFTER_TRAINING = DrafterTrainConfig()
 
 
-def _build_responses(target: str, recipe: dict = RESPONSES, default: bool = True) -> Step:
+def _build_responses(target: str, recipe: dict = RESPONSES, default: bool = True, name: str | None = None) -> Step:
     """The target's own responses to training prompts: the drafters' training data (with
     ``chat_template``, chats rendered in the target's own template, tokenised by its tokenizer)."""
 
     def run(out: Path) -> None:
-        write_responses(target, recipe, out / "sequences.jsonl")
+        model = load_model(model_path(target))
+        documents = {d: train_documents(d) for d in DOMAINS}
+        if recipe.get("chat_template"):
+            tokenizer, template = load_tokenizer(model_path(target)), ChatTemplate.from_dir(model_path(target))
+        else:
+            tokenizer, template = load_tokenizer(tokenizer_dir(), zoo=True), None
+        prompts = training_prompts(documents, tokenizer, recipe["per_domain"], recipe["seed"], template=template)
+        sequences = generate_responses(model, prompts, recipe["max_tokens"], batch=recipe.get("batch", 32),
+                                       bf16=recipe.get("bf16", False))
+        write_sequences(out / "sequences.jsonl", sequences, [len(p) for p in prompts])
 
-    return Step(name=f"responses-{target}", recipe={"target": target, **recipe}, run=run, needs=(target, "data"),
-                default=default)
+    return Step(name=name or f"responses-{target}", recipe={"target": target, **recipe}, run=run,
+                needs=(target, "data"), default=default)
 
 
-def write_responses(target: str, recipe: dict, path: Path) -> None:
-    """Generate the built ``target``'s answers to ``recipe["per_domain"]`` training prompts of
-    each domain (a responses step's recipe) into ``path`` (`write_sequences`)."""
-    model = load_model(model_path(target))
-    documents = {d: train_documents(d) for d in DOMAINS}
-    if recipe.get("chat_template"):
-        tokenizer, template = load_tokenizer(model_path(target)), ChatTemplate.from_dir(model_path(target))
-    else:
-        tokenizer, template = load_tokenizer(tokenizer_dir(), zoo=True), None
-    prompts = training_prompts(documents, tokenizer, recipe["per_domain"], recipe["seed"], template=template)
-    sequences = generate_responses(model, prompts, recipe["max_tokens"], batch=recipe.get("batch", 32),
-                                   bf16=recipe.get("bf16", False))
-    write_sequences(path, sequences, [len(p) for p in prompts])
+def responses_step(target: str, recipe: dict) -> Step:
+    """A responses step of ``recipe`` outside `steps()`, named ``responses-<target>-<per_domain>``
+    (for `build_step`): `specd bench recipe`'s smaller training sets."""
+    return _build_responses(target, recipe, default=False, name=f"responses-{target}-{recipe['per_domain']}")
 
 
 def _build_drafter(name: str, target: str, config: D3DConfig, training: DrafterTrainConfig, default: bool = True) -> Step:
@@ -284,8 +284,9 @@ def _build_drafter(name: str, target: str, config: D3DConfig, training: DrafterT
 
 
 def _lead_recipe(reads_target: bool) -> dict:
-    """A DFlash-style drafter's group-lead attention in its recipe: the leading known token sees
-    the trunk only (as served) since drafters built with it seeing its masks; D3D has no lead."""
+    """A DFlash-style drafter's recipe names how its group's leading known token attends: to the
+    trunk only, as served (drafters built before this saw the masks too, and are rebuilt). D3D's
+    groups have no lead."""
     return {"group_lead": "sees-trunk"} if reads_target else {}
 
 
@@ -468,6 +469,17 @@ def build(log: Callable[[str], None] = print, only: str | None = None) -> list[s
         log(f"[zoo] CPU compute: {precision.describe()}")
         ran = [step.name for step in chosen if run_step(step, log, full_recipe(step, by_name))]
     return ran
+
+
+def build_step(step: Step, log: Callable[[str], None] = print) -> Path:
+    """Build a step that is not in `steps()` (and the zoo steps it needs) unless its stamp is
+    current, as `build` does; returns its directory."""
+    by_name = {s.name: s for s in steps()}
+    for need in step.needs:
+        build(log, only=need)
+    with _locked(log):
+        run_step(step, log, full_recipe(step, {**by_name, step.name: step}))
+    return zoo_dir() / step.name
 
 
 def ensure(name: str) -> Path:

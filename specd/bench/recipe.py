@@ -18,9 +18,10 @@ engine's (fp32 target) τ, good for ranking recipes; `specd bench decode --fixed
 the real one. The DFlash-style drafter is scored as it serves: the target's (fp32) hidden states
 of the context but its last token, and the whole block from the group that token leads.
 
-``--answers-per-domain N`` trains on N answers per domain generated for this bench (cached under
-``OUT/recipe-work``) instead of the zoo's 1024: a comparison within a smaller budget, where
-generating the zoo's answers would take most of an hour.
+``--answers-per-domain N`` trains on N answers per domain (the zoo's answer recipe with N prompts a
+domain, built once as the zoo step ``responses-<target>-<N>``) instead of the zoo's 1024: a
+comparison within a smaller budget, where generating the zoo's answers takes over an hour on an
+AVX2 host.
 
     specd bench recipe [--target smollm2-135m] [--drafters d3d,dflash] [--lrs 5e-4,2e-3,4e-3]
                        [--layers 0-1-2-3,0-1-28-29] [--train-share S] [--answers-per-domain N]
@@ -170,21 +171,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", help="JSON path (default OUT/recipe.json; the plot beside it as .png)")
 
 
-def answers(target: str, per_domain: int | None, work: Path) -> tuple[list[list[int]], list[int]]:
-    """The target's answers to train and score on: the zoo's (``per_domain`` None), or
-    ``per_domain`` a domain generated with the zoo's recipe otherwise and cached under ``work``."""
+def answers(target: str, per_domain: int | None) -> tuple[list[list[int]], list[int]]:
+    """The target's answers to train and score on: the zoo's (``per_domain`` None), or its recipe
+    with ``per_domain`` prompts a domain (`zoo.responses_step`, built once and stamped like the zoo's)."""
     if per_domain is None:
-        zoo.build(only=f"responses-{target}")  # the training data (cached)
-        return read_sequences(zoo.zoo_dir() / f"responses-{target}" / "sequences.jsonl")
-    path = work / f"responses-{target}-{per_domain}" / "sequences.jsonl"
-    if not path.is_file():
-        for step in ("data", target):
-            zoo.build(only=step)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".partial")
-        zoo.write_responses(target, {**zoo.SMOLLM2_RESPONSES, "per_domain": per_domain}, partial)
-        partial.rename(path)
-    return read_sequences(path)
+        zoo.build(only=f"responses-{target}")
+        directory = zoo.zoo_dir() / f"responses-{target}"
+    else:
+        directory = zoo.build_step(zoo.responses_step(target, {**zoo.SMOLLM2_RESPONSES, "per_domain": per_domain}))
+    return read_sequences(directory / "sequences.jsonl")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -209,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
                          f"out), not {args.answers_per_domain}")
     torch.set_num_threads(args.threads)
     out = Path(args.out)
-    sequences, prompt_lens = answers(args.target, args.answers_per_domain, out / "recipe-work")
+    sequences, prompt_lens = answers(args.target, args.answers_per_domain)
     target = load_model(zoo.model_path(args.target))
     tokenizer = load_tokenizer(zoo.model_path(args.target))
     rows = []

@@ -78,3 +78,20 @@ def test_a_build_waiting_for_another_builds_lock_says_so_then_builds(tmp_path, m
         fcntl.flock(held, fcntl.LOCK_UN)
     builder.join(30)
     assert not builder.is_alive() and runs == ["data"]
+
+
+def test_a_step_outside_the_list_builds_what_it_needs_and_is_stamped_like_the_rest(tmp_path, monkeypatch):
+    """`zoo.build_step` (the bench's smaller answer sets): its needs first, itself once, and
+    again after a step it reads changed."""
+    monkeypatch.setenv("SPECD_ZOO", str(tmp_path))
+    runs: list[str] = []
+    extra = zoo.Step(name="answers-small", recipe={"n": 1},
+                     run=lambda out: runs.append("answers-small"), needs=("target", "data"))
+    monkeypatch.setattr(zoo, "steps", lambda: _steps(runs, 10))
+    assert zoo.build_step(extra, log=lambda _: None) == tmp_path / "answers-small"
+    assert runs == ["data", "target", "answers-small"]
+    zoo.build_step(extra, log=lambda _: None)
+    assert runs == ["data", "target", "answers-small"]  # every stamp matches
+    monkeypatch.setattr(zoo, "steps", lambda: _steps(runs, 20))
+    zoo.build_step(extra, log=lambda _: None)
+    assert runs[3:] == ["target", "answers-small"]
