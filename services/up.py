@@ -55,6 +55,7 @@ from services.common.server import open_channel, wait_healthy
 from specd.engine import EngineConfig, tau
 from specd.flags import default_of
 from specd.ports import free_port
+from specd.threads import shared_machine_env
 
 STABLE_SECONDS = 60.0
 """A service that ran this long before it exited was not crash-looping: its backoff starts over."""
@@ -265,10 +266,23 @@ class Stack:
         self.redis_url = f"redis://127.0.0.1:{port}/0"
         self._wait(self.services[-1], time.monotonic() + 10)
 
+    def computing_processes(self) -> int:
+        """Processes of this stack that run model passes (Redis does not)."""
+        c = self.config
+        drafters = c.drafters if c.drafter else 0
+        return c.verifiers + c.plain_verifiers + drafters + (1 if c.trainer and c.drafter else 0)
+
+    def service_env(self) -> dict[str, str]:
+        """Every service's environment: this process's, the stack's own settings, then
+        ``config.env``. Where several processes compute on one machine they take turns on its
+        cores, so OpenMP's workers stop spinning soon after a pass (`specd.threads.shared_machine_env`)."""
+        shared = shared_machine_env(os.environ) if self.computing_processes() > 1 else {}
+        return {**os.environ, "OMP_NUM_THREADS": "1", "SPECD_AUTH_TOKEN": self.config.auth_token,
+                "PYTHONUNBUFFERED": "1", **shared, **self.config.env}
+
     def _spawn(self, name: str, module: str, args: list[str], *, grpc: str = "", http: str = "",
                core: int | None = None) -> Service:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "SPECD_AUTH_TOKEN": self.config.auth_token,
-               "PYTHONUNBUFFERED": "1", **self.config.env}
+        env = self.service_env()
         return self._add(name, [sys.executable, "-m", module, *args], env=env, grpc=grpc, http=http,
                          core=self._core() if core is None else core)
 

@@ -21,6 +21,16 @@ So a process runs its passes on one thread, and every other thread that computed
 
 Only libgomp is released: LLVM's and Intel's runtimes pause the whole process instead, which
 would stall a pass on another thread; there (and without OpenMP) `release_pool` does nothing.
+
+**Processes that take turns on the same cores** (a sync verifier and the drafter it waits for, the
+demo's plain verifier, the trainer) meet the other side of the spinning: after a region, a
+process's workers spin ``GOMP_SPINCOUNT`` times (300,000 by default: milliseconds) before they
+sleep, on the cores the other process now wants. A verifier that sends a Draft call keeps a core
+busy through much of the drafter's pass, and the drafter's workers spin on into the next
+verification. `shared_machine_env` gives such processes a spin count of `SHARED_SPIN_COUNT`:
+long enough to bridge the gaps between the ops of one pass (microseconds), short enough to hand
+the core over soon after it. ``bench/draft_rpc.py`` measures a draft and a verification taking
+turns both ways.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ import threading
 from concurrent.futures import Future
 from pathlib import Path
 from queue import SimpleQueue
-from typing import Callable, TypeVar
+from typing import Callable, Mapping, TypeVar
 
 import torch  # noqa: F401  (loads libgomp, which `release_pool` looks up)
 
@@ -57,6 +67,21 @@ def _libgomp() -> ctypes.CDLL | None:
 
 
 _GOMP: ctypes.CDLL | None | bool = False  # False: not looked up yet
+
+
+SHARED_SPIN_COUNT = 10_000
+"""libgomp spins a worker makes after a region before it sleeps, for processes that take turns on
+the same cores (module docstring); libgomp's default is 300,000. 0 (``OMP_WAIT_POLICY=passive``)
+would make every op of a pass wait for a futex wake-up."""
+
+
+def shared_machine_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment to add for a process that takes turns on its cores with another computing
+    process (module docstring): ``GOMP_SPINCOUNT``, unless ``environ`` already sets the spin count
+    or the wait policy, which then stand."""
+    if "GOMP_SPINCOUNT" in environ or "OMP_WAIT_POLICY" in environ:
+        return {}
+    return {"GOMP_SPINCOUNT": str(SHARED_SPIN_COUNT)}
 
 
 def release_pool() -> bool:

@@ -358,11 +358,18 @@ class RemoteDrafters(Drafter):
         outlived the grace (it goes on in the background; `_late` sees how it ends). ``learn``:
         the jobs' times feed the typical part time."""
         start = time.monotonic()
-        futures = {self._executor.submit(_attempt, job): i for i, (_, job) in enumerate(jobs)}
         with self._lock:
             typical = self._typical
             # One usable replica: a lag stalls only its own sequences, so wait for it (to the deadline).
             bounded = sum(r.checked for r in self._replicas.values()) > 1
+        if len(jobs) == 1 and not bounded:
+            # Nothing to run beside it and no grace to keep: on the caller's thread, which saves
+            # the step two thread hand-offs (the RPC's deadline still bounds it).
+            outcome = _attempt(jobs[0][1])
+            if learn and not isinstance(outcome, Exception):
+                self._learn(time.monotonic() - start)
+            return [outcome]
+        futures = {self._executor.submit(_attempt, job): i for i, (_, job) in enumerate(jobs)}
         outcomes: list[object] = [_GIVEN_UP] * len(jobs)
         slowest: float | None = None  # the slowest job of this call that answered
         running = set(futures)
@@ -383,9 +390,7 @@ class RemoteDrafters(Drafter):
                 if not isinstance(outcome, Exception):
                     slowest = seconds
                     if learn:
-                        with self._lock:
-                            last = self._typical
-                            self._typical = seconds if last is None else last + TYPICAL_WEIGHT * (seconds - last)
+                        self._learn(seconds)
         for future in running:
             replica = jobs[futures[future]][0]
             with self._lock:
@@ -395,6 +400,12 @@ class RemoteDrafters(Drafter):
                         replica.address, time.monotonic() - start)
             future.add_done_callback(partial(self._late, replica))
         return outcomes
+
+    def _learn(self, seconds: float) -> None:
+        """A part answered in ``seconds``: fold it into the typical part time."""
+        with self._lock:
+            last = self._typical
+            self._typical = seconds if last is None else last + TYPICAL_WEIGHT * (seconds - last)
 
     def _late(self, replica: _Replica, future: Future) -> None:
         """A job the call stopped waiting for has ended: its answer is dropped (the pool already

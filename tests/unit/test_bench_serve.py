@@ -76,3 +76,35 @@ def test_plain_and_turn_taking_deployments_get_the_whole_machine_async_ones_spli
     assert [n for n, c in configs.items() if c.prompt_lookup] == [
         "lookup", "sync 1:1 +lookup", "async 1:1 +lookup"]
     assert configs["plain"].drafter == configs["lookup"].drafter == ""  # no drafter processes
+
+
+def test_processes_that_take_turns_on_the_cores_stop_spinning_soon_plain_alone_keeps_libgomps_default(
+        monkeypatch, tmp_path):
+    from services.bench import DEPLOYMENTS, ServeSettings, stack_config
+    from services.up import Stack
+    from specd.threads import SHARED_SPIN_COUNT
+
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    by_name = {d.name: d for d in DEPLOYMENTS}
+
+    def env(name: str, **extra) -> dict[str, str]:
+        config = stack_config(ServeSettings(), by_name[name], "t", "d", cores=2)
+        config.workdir = str(tmp_path)
+        for key, value in extra.items():
+            setattr(config, key, value)
+        return Stack(config).service_env()
+
+    for name in ("sync 1:1", "async 1:1", "sync 2:1", "sync 1:1 +lookup"):
+        assert env(name)["GOMP_SPINCOUNT"] == str(SHARED_SPIN_COUNT), name
+    # One computing process (plain decoding, prompt lookup in the verifier): a user's default.
+    assert "GOMP_SPINCOUNT" not in env("plain") and "GOMP_SPINCOUNT" not in env("lookup")
+    # The demo's plain verifier beside a lookup verifier takes turns with it.
+    assert env("lookup", plain_verifiers=1)["GOMP_SPINCOUNT"] == str(SHARED_SPIN_COUNT)
+    # The stack's own config.env wins, and so does a setting the user made.
+    assert env("sync 1:1", env={"GOMP_SPINCOUNT": "5"})["GOMP_SPINCOUNT"] == "5"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    assert "GOMP_SPINCOUNT" not in env("sync 1:1")
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "123")
+    assert env("sync 1:1")["GOMP_SPINCOUNT"] == "123"
