@@ -38,6 +38,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -184,7 +185,7 @@ def main() -> int:
         replay(local, contexts[:20], args.block, verify)  # warm-up
         local_seconds, local_verify, local_blocks = replay(local, contexts, args.block, verify)
 
-        log = Path(args.json).with_suffix(".drafter.log")
+        log = Path(tempfile.gettempdir()) / f"draft_rpc-{os.getpid()}.drafter.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         process, address, metrics = start_service(model_dir, args.threads, log)
         try:
@@ -220,7 +221,7 @@ def main() -> int:
     print("a service draft, per call: " + ", ".join(f"{k} {v:.2f}" for k, v in service_split.items()))
     print(f"blocks that differ between the two ways: {mismatched} of {calls}")
     Path(args.json).write_text(json.dumps({
-        "drafter": str(args.drafter), "block": args.block, "threads": args.threads, "dtype": str(dtype),
+        "drafter": Path(args.drafter).name, "block": args.block, "threads": args.threads, "dtype": str(dtype),
         "gomp_spincount": spin, "calls": calls, "cpu": torch.backends.cpu.get_cpu_capability(), "rows": rows,
         "service_split": service_split, "mismatched_blocks": mismatched,
     }, indent=2) + "\n")
