@@ -55,7 +55,6 @@ from services.common.server import open_channel, wait_healthy
 from specd.engine import EngineConfig, tau
 from specd.flags import default_of
 from specd.ports import free_port
-from specd.threads import shared_machine_env
 
 STABLE_SECONDS = 60.0
 """A service that ran this long before it exited was not crash-looping: its backoff starts over."""
@@ -276,6 +275,11 @@ class Stack:
         """Every service's environment: this process's, the stack's own settings, then
         ``config.env``. Where several processes compute on one machine they take turns on its
         cores, so OpenMP's workers stop spinning soon after a pass (`specd.threads.shared_machine_env`)."""
+        # Imported here, not at the top: imported with this module (as `specd bench serve`'s tests
+        # collect it), the in-process drafter replicas of tests/unit/test_drafter_pool_faults.py
+        # later answered their first Speculate past its 0.25 s grace, every run; why is not known.
+        from specd.threads import shared_machine_env
+
         shared = shared_machine_env(os.environ) if self.computing_processes() > 1 else {}
         return {**os.environ, "OMP_NUM_THREADS": "1", "SPECD_AUTH_TOKEN": self.config.auth_token,
                 "PYTHONUNBUFFERED": "1", **shared, **self.config.env}
