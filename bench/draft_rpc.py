@@ -14,7 +14,7 @@ verification, then the next draft.
   parallel regions), on this process's threads.
 - ``in process``: `D3DDrafter.draft` on this thread. ``service``: the same calls through the
   verifier's own client (`services.verifier.drafter_pool.RemoteDrafters`) to a drafter service
-  started here (``python -m services.drafter``), each call split into the pass (the replica's
+  started here as `specd up` starts one (`services.up.Stack`), each call split into the pass (the replica's
   ``specd:drafter_pass_seconds``), the rest of the replica's handling, the transport (the pool's
   ``transport_seconds``: the RPC less the replica's time) and the pool's own work.
 
@@ -34,18 +34,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import torch
 
+from services.client import metrics
 from services.common.config import ServiceConfig
+from services.up import Stack, StackConfig, stack_ports
 from services.verifier.drafter_pool import RemoteDrafters
 from specd import precision, zoo
 from specd.bench.recipe import split
@@ -117,28 +114,6 @@ def replay(drafter, contexts, block: int, verify=None) -> tuple[list[float], lis
     return seconds, verify_seconds, blocks
 
 
-def _metric(url: str, name: str) -> float:
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    match = re.search(rf"^{re.escape(name)} ([0-9.eE+-]+)$", text, re.M)
-    if match is None:
-        raise RuntimeError(f"{name} is not among the drafter's metrics at {url}")
-    return float(match.group(1))
-
-
-def start_service(model_dir: Path, threads: int, log: Path) -> tuple[subprocess.Popen, str, str]:
-    port, metrics_port = free_port(), free_port()
-    command = [sys.executable, "-m", "services.drafter", "--model", str(model_dir), "--port", str(port),
-               "--metrics-port", str(metrics_port), "--threads", str(threads), "--log-level", "warning"]
-    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=os.environ.copy())
-    deadline = time.monotonic() + 180
-    while "drafter serving on" not in log.read_text():
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError(f"the drafter service did not start; its log:\n{log.read_text()[-2000:]}")
-        time.sleep(0.2)
-    return process, f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics"
-
-
 def summary(values: list[float]) -> dict[str, float]:
     ms = sorted(v * 1000 for v in values)
     return {"mean_ms": statistics.fmean(ms), "p50_ms": ms[len(ms) // 2], "p90_ms": ms[int(len(ms) * 0.9)]}
@@ -185,22 +160,21 @@ def main() -> int:
         replay(local, contexts[:20], args.block, verify)  # warm-up
         local_seconds, local_verify, local_blocks = replay(local, contexts, args.block, verify)
 
-        log = Path(tempfile.gettempdir()) / f"draft_rpc-{os.getpid()}.drafter.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        process, address, metrics = start_service(model_dir, args.threads, log)
-        try:
-            remote = RemoteDrafters([address], ServiceConfig())
+        # One drafter replica as `specd up` starts it; it inherits this environment.
+        metrics_url = f"http://127.0.0.1:{free_port()}"
+        config = StackConfig(target="", drafter=str(model_dir), drafters=1, verifiers=0, trainer=False,
+                             drafter_args=["--threads", str(args.threads), "--metrics-port", metrics_url.rsplit(":", 1)[1]],
+                             **stack_ports())
+        with Stack(config) as stack:
+            remote = RemoteDrafters([stack.drafters[0].grpc], ServiceConfig())
             replay(remote, contexts[:20], args.block, verify)  # warm-up
-            pass_before, server_before = _metric(metrics, "specd:drafter_pass_seconds_sum"), remote.stats.server_seconds
-            transport_before = remote.stats.transport_seconds
+            passes_before = metrics(metrics_url)["specd:drafter_pass_seconds_sum"]
+            server_before, transport_before = remote.stats.server_seconds, remote.stats.transport_seconds
             remote_seconds, remote_verify, remote_blocks = replay(remote, contexts, args.block, verify)
-            pass_seconds = _metric(metrics, "specd:drafter_pass_seconds_sum") - pass_before
+            pass_seconds = metrics(metrics_url)["specd:drafter_pass_seconds_sum"] - passes_before
             server_seconds = remote.stats.server_seconds - server_before
             transport_seconds = remote.stats.transport_seconds - transport_before
             remote.close()
-        finally:
-            process.terminate()
-            process.wait(timeout=30)
 
     calls = len(contexts)
     mismatched = sum(a != b for a, b in zip(local_blocks, remote_blocks))
