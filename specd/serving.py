@@ -176,6 +176,8 @@ class FinishedRequest:
     arrival_time: float
     first_token_time: float | None
     finish_time: float
+    store: bool = True
+    """False when the client kept the request out of the trace stream (OpenAI's ``store``)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -183,6 +185,7 @@ class _Pending:
     prompt: list[int]
     params: SamplingParams
     stream: RequestStream
+    store: bool = True
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
 
@@ -248,9 +251,11 @@ class ServingEngine:
                 f"model's context is {self.max_model_len} tokens: shorten the prompt or lower max_tokens"
             )
 
-    def submit(self, prompt: Sequence[int], params: SamplingParams, *, request_id: str | None = None) -> RequestStream:
+    def submit(self, prompt: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
+               store: bool = True) -> RequestStream:
         """Queue a request; ValueError for one that cannot run, `QueueFull` when the queue is at
-        ``max_waiting``, `EngineStopped` when the engine is shutting down or dead."""
+        ``max_waiting``, `EngineStopped` when the engine is shutting down or dead. ``store``
+        False: its `FinishedRequest` says so, and the verifier writes no trace of it."""
         self.check(prompt, params)
         stream = RequestStream(request_id or uuid.uuid4().hex)
         with self._cond:
@@ -263,7 +268,7 @@ class ServingEngine:
                     f"the server is at capacity ({self.num_waiting} requests already wait for a free row): "
                     "retry later or on another replica"
                 )
-            self._scheduler.add(_Pending(prompt=list(map(int, prompt)), params=params, stream=stream))
+            self._scheduler.add(_Pending(prompt=list(map(int, prompt)), params=params, stream=stream, store=store))
             self._cond.notify()
         return stream
 
@@ -413,7 +418,7 @@ class ServingEngine:
                 request_id=stream.request_id, prompt=pending.prompt, output=list(out.token_ids),
                 finish_reason=out.finish_reason, accepted_lengths=list(out.accepted_lengths),
                 drafter_version=version, arrival_time=pending.arrival_time,
-                first_token_time=pending.first_token_time, finish_time=time.monotonic(),
+                first_token_time=pending.first_token_time, finish_time=time.monotonic(), store=pending.store,
             ))
 
     def _report(self, finished: FinishedRequest) -> None:

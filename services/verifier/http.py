@@ -288,6 +288,10 @@ class _GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = None
+    store: bool | None = None
+    """OpenAI's field, read as the trainer's consent: false keeps this request out of the trace
+    stream the drafter is distilled from (evaluations, private traffic); absent or true, it is
+    traced like all live traffic (this server's default, unlike OpenAI's)."""
 
 
 class CompletionRequest(_GenerationRequest):
@@ -622,7 +626,7 @@ class _OpenAIServer:
         stop = _stop_strings(body.stop)
         params = self._params(body, max_tokens)
         try:
-            stream = self.engine.submit(prompt_ids, params, request_id=request_id)
+            stream = self.engine.submit(prompt_ids, params, request_id=request_id, store=body.store is not False)
         except ContextTooLong as error:
             raise APIError(400, str(error), code="context_length_exceeded") from error
         except ValueError as error:

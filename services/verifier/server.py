@@ -129,7 +129,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             params = params_from_proto(request.params)
             if not request.params.ignore_eos:
                 params.stop_token_ids = tuple(dict.fromkeys((*self.stop_token_ids, *params.stop_token_ids)))
-            stream = self.engine.submit(list(request.prompt_token_ids), params, request_id=request.request_id or None)
+            stream = self.engine.submit(list(request.prompt_token_ids), params, request_id=request.request_id or None,
+                                        store=not request.HasField("store") or request.store)
         except ValueError as err:
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except QueueFull as err:
@@ -294,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def on_finish(finished: FinishedRequest) -> None:
         observe_latency(finished)
-        if traces is not None:
+        if traces is not None and finished.store:
             traces(finished)
 
     def on_death(error: BaseException) -> None:

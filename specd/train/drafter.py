@@ -87,6 +87,13 @@ def training_prompts(documents: dict[str, list[str]], tokenizer, per_domain: int
                      template: ChatTemplate | None = None, max_prompt_tokens: int = 160) -> list[list[int]]:
     """Prompts cut from training documents: chat turns up to the assistant, code heads. With a
     ``template`` (a pretrained target's own), chats are re-rendered in its format."""
+    return [ids for _, ids in domain_prompts(documents, tokenizer, per_domain, seed, template, max_prompt_tokens)]
+
+
+def domain_prompts(documents: dict[str, list[str]], tokenizer, per_domain: int, seed: int,
+                   template: ChatTemplate | None = None, max_prompt_tokens: int = 160) -> list[tuple[str, list[int]]]:
+    """`training_prompts` with the domain of each, in the same order: a response file's
+    sequences follow its prompts, so this says which domain each sequence answers."""
     rng = np.random.default_rng(seed)
     prompts = []
     marker = "<|im_start|>assistant\n"
@@ -102,7 +109,7 @@ def training_prompts(documents: dict[str, list[str]], tokenizer, per_domain: int
                 text = render_prompt(text, template)
             ids = tokenizer.encode(text).ids[-max_prompt_tokens:]
             if len(ids) >= 2:
-                prompts.append(ids)
+                prompts.append((domain, ids))
     return prompts
 
 

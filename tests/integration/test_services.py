@@ -9,15 +9,18 @@ drafter killed mid-run, and with Redis gone.
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import openai
 import pytest
+import redis
 import torch
 
-from services.client import metrics
+from services.client import metrics, stream_completion
 from services.common.config import ServiceConfig
 from services.common.server import open_channel
 from services.up import Stack, StackConfig, stack_ports
@@ -121,6 +124,31 @@ def test_openai_client_equals_plain_greedy(models, stack, stream):
     with ThreadPoolExecutor(6) as pool:
         texts = list(pool.map(complete, batch))
     assert texts == [tokenizer.decode(ids, skip_special_tokens=True) for ids in expected(models, batch, 16)]
+
+
+def test_a_request_with_store_false_leaves_no_trace_for_the_trainer(models, stack, stub):
+    """OpenAI's ``store: false`` (HTTP) and ``store = false`` (gRPC) keep a request out of the
+    trace stream the trainer distils from; the same requests without it are traced."""
+    generator = torch.Generator().manual_seed(99)
+    unique = [torch.randint(7, models[0].config.vocab_size, (21,), generator=generator).tolist() for _ in range(4)]
+    skipped_http, skipped_grpc, kept_http, kept_grpc = unique
+    body = {"model": MODEL, "max_tokens": 4, "temperature": 0}
+    base = stack.verifiers[0].http
+    stream_completion(base, "/v1/completions", {**body, "prompt": skipped_http, "store": False}, token=TOKEN)
+    request = verifier_pb2.GenerateRequest(prompt_token_ids=skipped_grpc, store=False,
+                                           params=common_pb2.SamplingParams(max_tokens=4))
+    list(stub.Generate(request, metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=120))
+    stream_completion(base, "/v1/completions", {**body, "prompt": kept_http}, token=TOKEN)
+    generate(stub, kept_grpc, 4)
+    client = redis.Redis.from_url(stack.redis_url, decode_responses=True)
+    deadline = time.monotonic() + 30
+    while True:  # one writer thread, in order: once the kept ones are in, the skipped ones would be too
+        traced = [json.loads(fields["prompt_ids"]) for _, fields in client.xrange("specd:traces")]
+        if (kept_http in traced and kept_grpc in traced) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert kept_http in traced and kept_grpc in traced
+    assert skipped_http not in traced and skipped_grpc not in traced
 
 
 # ---------------------------------------------------------------------------- bad input

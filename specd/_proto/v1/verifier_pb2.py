@@ -26,29 +26,29 @@ _sym_db = _symbol_database.Default()
 from specd._proto.v1 import common_pb2 as specd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specd/v1/verifier.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\"i\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12(\n\x06params\x18\x03 \x01(\x0b\x32\x18.specd.v1.SamplingParams\"p\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1e\n\x05usage\x18\x04 \x01(\x0b\x32\x0f.specd.v1.Usage\"i\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rtarget_passes\x18\x03 \x01(\r\x12\x17\n\x0ftokens_per_pass\x18\x04 \x01(\x02\"\x9d\x01\n\x0cScoreRequest\x12*\n\tsequences\x18\x01 \x03(\x0b\x32\x17.specd.v1.ScoreSequence\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12(\n\x07\x63hannel\x18\x04 \x01(\x0b\x32\x17.specd.v1.TensorChannelB\x0e\n\x0c_temperature\"\x89\x01\n\rTensorChannel\x12\x13\n\x0bmaster_addr\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\r\x12\x12\n\nchannel_id\x18\x03 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x02\x12\x10\n\x08sequence\x18\x06 \x01(\x04\"Y\n\rScoreSequence\x12\x0f\n\x07\x63ontext\x18\x01 \x03(\x05\x12!\n\x04tree\x18\x02 \x01(\x0b\x32\x13.specd.v1.TokenTree\x12\x14\n\x0c\x63ontext_rows\x18\x03 \x03(\x05\"h\n\rScoreResponse\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.specd.v1.ScoreResult\x12\x18\n\x10\x63hannel_sequence\x18\x02 \x01(\x04\x12\x15\n\rchannel_error\x18\x03 \x01(\t\"\xb5\x01\n\x0bScoreResult\x12\x1f\n\x05probs\x18\x01 \x01(\x0b\x32\x10.specd.v1.Tensor\x12!\n\x07top_ids\x18\x02 \x01(\x0b\x32\x10.specd.v1.Tensor\x12&\n\x0ctop_logprobs\x18\x03 \x01(\x0b\x32\x10.specd.v1.Tensor\x12&\n\x0crest_logprob\x18\x04 \x01(\x0b\x32\x10.specd.v1.Tensor\x12\x12\n\non_channel\x18\x05 \x01(\x08\x32\x89\x01\n\x08Verifier\x12\x43\n\x08Generate\x12\x19.specd.v1.GenerateRequest\x1a\x1a.specd.v1.GenerateResponse0\x01\x12\x38\n\x05Score\x12\x16.specd.v1.ScoreRequest\x1a\x17.specd.v1.ScoreResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specd/v1/verifier.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\"\x87\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12(\n\x06params\x18\x03 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x12\n\x05store\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\x08\n\x06_store\"p\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1e\n\x05usage\x18\x04 \x01(\x0b\x32\x0f.specd.v1.Usage\"i\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rtarget_passes\x18\x03 \x01(\r\x12\x17\n\x0ftokens_per_pass\x18\x04 \x01(\x02\"\x9d\x01\n\x0cScoreRequest\x12*\n\tsequences\x18\x01 \x03(\x0b\x32\x17.specd.v1.ScoreSequence\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12(\n\x07\x63hannel\x18\x04 \x01(\x0b\x32\x17.specd.v1.TensorChannelB\x0e\n\x0c_temperature\"\x89\x01\n\rTensorChannel\x12\x13\n\x0bmaster_addr\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\r\x12\x12\n\nchannel_id\x18\x03 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x02\x12\x10\n\x08sequence\x18\x06 \x01(\x04\"Y\n\rScoreSequence\x12\x0f\n\x07\x63ontext\x18\x01 \x03(\x05\x12!\n\x04tree\x18\x02 \x01(\x0b\x32\x13.specd.v1.TokenTree\x12\x14\n\x0c\x63ontext_rows\x18\x03 \x03(\x05\"h\n\rScoreResponse\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.specd.v1.ScoreResult\x12\x18\n\x10\x63hannel_sequence\x18\x02 \x01(\x04\x12\x15\n\rchannel_error\x18\x03 \x01(\t\"\xb5\x01\n\x0bScoreResult\x12\x1f\n\x05probs\x18\x01 \x01(\x0b\x32\x10.specd.v1.Tensor\x12!\n\x07top_ids\x18\x02 \x01(\x0b\x32\x10.specd.v1.Tensor\x12&\n\x0ctop_logprobs\x18\x03 \x01(\x0b\x32\x10.specd.v1.Tensor\x12&\n\x0crest_logprob\x18\x04 \x01(\x0b\x32\x10.specd.v1.Tensor\x12\x12\n\non_channel\x18\x05 \x01(\x08\x32\x89\x01\n\x08Verifier\x12\x43\n\x08Generate\x12\x19.specd.v1.GenerateRequest\x1a\x1a.specd.v1.GenerateResponse0\x01\x12\x38\n\x05Score\x12\x16.specd.v1.ScoreRequest\x1a\x17.specd.v1.ScoreResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specd.v1.verifier_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GENERATEREQUEST']._serialized_start=60
-  _globals['_GENERATEREQUEST']._serialized_end=165
-  _globals['_GENERATERESPONSE']._serialized_start=167
-  _globals['_GENERATERESPONSE']._serialized_end=279
-  _globals['_USAGE']._serialized_start=281
-  _globals['_USAGE']._serialized_end=386
-  _globals['_SCOREREQUEST']._serialized_start=389
-  _globals['_SCOREREQUEST']._serialized_end=546
-  _globals['_TENSORCHANNEL']._serialized_start=549
-  _globals['_TENSORCHANNEL']._serialized_end=686
-  _globals['_SCORESEQUENCE']._serialized_start=688
-  _globals['_SCORESEQUENCE']._serialized_end=777
-  _globals['_SCORERESPONSE']._serialized_start=779
-  _globals['_SCORERESPONSE']._serialized_end=883
-  _globals['_SCORERESULT']._serialized_start=886
-  _globals['_SCORERESULT']._serialized_end=1067
-  _globals['_VERIFIER']._serialized_start=1070
-  _globals['_VERIFIER']._serialized_end=1207
+  _globals['_GENERATEREQUEST']._serialized_start=61
+  _globals['_GENERATEREQUEST']._serialized_end=196
+  _globals['_GENERATERESPONSE']._serialized_start=198
+  _globals['_GENERATERESPONSE']._serialized_end=310
+  _globals['_USAGE']._serialized_start=312
+  _globals['_USAGE']._serialized_end=417
+  _globals['_SCOREREQUEST']._serialized_start=420
+  _globals['_SCOREREQUEST']._serialized_end=577
+  _globals['_TENSORCHANNEL']._serialized_start=580
+  _globals['_TENSORCHANNEL']._serialized_end=717
+  _globals['_SCORESEQUENCE']._serialized_start=719
+  _globals['_SCORESEQUENCE']._serialized_end=808
+  _globals['_SCORERESPONSE']._serialized_start=810
+  _globals['_SCORERESPONSE']._serialized_end=914
+  _globals['_SCORERESULT']._serialized_start=917
+  _globals['_SCORERESULT']._serialized_end=1098
+  _globals['_VERIFIER']._serialized_start=1101
+  _globals['_VERIFIER']._serialized_end=1238
 # @@protoc_insertion_point(module_scope)
