@@ -418,7 +418,7 @@ class Stack:
         for verifier in self.verifiers:
             channel = open_channel(verifier.grpc, self._client)
             stub = verifier_pb2_grpc.VerifierStub(channel)
-            request = verifier_pb2.GenerateRequest(prompt_token_ids=[1, 1, 1],
+            request = verifier_pb2.GenerateRequest(prompt_token_ids=[1, 1, 1], store=False,  # not traffic: no trace
                                                    params=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True))
             try:
                 while metrics(verifier.http).get("specd:spec_decode_num_draft_tokens_total", 0) == 0:

@@ -48,8 +48,8 @@ from specd.models.d3d import D3DConfig, D3DModel
 from specd.models.loading import architecture, load_model, save_model
 from specd.train import workers as train_workers
 from specd.train.drafter import (
-    domain_prompts,
     DrafterTrainConfig,
+    domain_prompts,
     draft_vocabulary,
     generate_responses,
     init_from_target,
@@ -95,6 +95,9 @@ MODELS: tuple[ZooModel, ...] = (
                          "frozen, an 8192-token drafting vocabulary (FR-Spec)"),
     ZooModel(name="dflash-smollm2-135m", kind="drafter", architecture="specd_d3d",
              description="DFlash-style baseline for SmolLM2-135M, built like d3d-smollm2-135m (reads target hidden states)"),
+    ZooModel(name="d3d-smollm2-135m-unseen-code", kind="drafter", architecture="specd_d3d",
+             description="d3d-smollm2-135m's recipe without the code domain's answers, 900 steps: the starting "
+                         "drafter of `specd bench online`, whose traffic is code"),
 )
 
 

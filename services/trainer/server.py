@@ -475,6 +475,7 @@ class TrainerService:
             live_version=counters.live_version, steps=self.learner.num_steps, traces_consumed=counters.traces_consumed,
             versions_published=counters.versions_published, versions_refused=counters.versions_refused,
             live_tau=counters.live_tau, last_candidate_tau=counters.last_candidate_tau,
+            last_gate_live_tau=counters.last_gate_live_tau,
             supervised_tokens=self.learner.trainer.num_supervised_tokens,
         )
 

@@ -332,8 +332,10 @@ class OnlineCounters:
     live_version: str = ""
     """The published version serving now ("" = the initial drafter, nothing published yet)."""
     live_tau: float = math.nan
-    """The live drafter's τ at the last gate."""
+    """The live drafter's τ at the last gate; once a candidate passes, that candidate's."""
     last_candidate_tau: float = math.nan
+    last_gate_live_tau: float = math.nan
+    """The live drafter's τ in the last gate decision, what ``last_candidate_tau`` was compared with."""
 
 
 class OnlineLearner:
@@ -553,6 +555,7 @@ class OnlineLearner:
             decision = GateDecision(passed=passed, candidate_tau=candidate_tau, live_tau=live_tau,
                                     reason=f"held-out τ {candidate_tau:.4f} vs live {live_tau:.4f} on {len(heldout)} traces")
         self.counters.last_candidate_tau = decision.candidate_tau
+        self.counters.last_gate_live_tau = decision.live_tau
         if not math.isnan(decision.live_tau):
             self.counters.live_tau = decision.live_tau
         if not decision.passed:

@@ -151,6 +151,34 @@ def test_a_request_with_store_false_leaves_no_trace_for_the_trainer(models, stac
     assert skipped_http not in traced and skipped_grpc not in traced
 
 
+def test_bench_online_measures_the_live_drafter_per_domain_and_records_every_gate_decision(models, tmp_path):
+    """`specd bench online`'s mechanics on tiny models: an evaluation of every domain at the start
+    and after each period of traffic, no failed request, and one record per gate decision the
+    trainer made (whether distillation raises τ is what the bench measures on SmolLM2)."""
+    from services.online_bench import OnlineSettings, bench_online, format_table, plot
+    from specd.data import DOMAINS
+
+    vocab = models[0].config.vocab_size
+    heldout = {domain: prompts(2 + i, vocab)[:2] for i, domain in enumerate(DOMAINS)}
+    settings = OnlineSettings(minutes=0.4, eval_minutes=0.2, max_tokens=16, eval_max_tokens=12, block=4,
+                              steps_per_version=1, status_every=0.5,
+                              trainer_args=("--batch-size", "1", "--heldout-every", "2", "--min-heldout", "1",
+                                            "--anchors-per-seq", "2", "--branches-per-anchor", "2",
+                                            "--block-ms", "200"))
+    result = bench_online(settings, models[1], models[2], str(tmp_path), heldout=heldout, pool=prompts(16, vocab))
+    assert result.failed_requests == 0, result.errors
+    assert [m.domain for m in result.tau] == list(DOMAINS) * 3
+    seconds = sorted({m.seconds for m in result.tau})
+    assert len(seconds) == 3 and seconds[0] == 0 and seconds[-1] >= 24
+    assert all(m.requests == 2 and m.tau >= 1 for m in result.tau)
+    assert result.traffic_requests > 0 and result.trainer_steps >= 1 and result.supervised_tokens > 0
+    assert len(result.versions) == result.versions_published + result.versions_refused >= 1
+    assert sum(r.passed for r in result.versions) == result.versions_published
+    published = {r.version for r in result.versions if r.passed}
+    assert {m.version for m in result.tau} <= published | {"initial"}
+    assert "τ code (new)" in format_table(result) and plot(result, tmp_path / "online.png").stat().st_size > 0
+
+
 # ---------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("prompt, max_tokens, message", [
     ([10**6], 4, "outside the vocabulary"),

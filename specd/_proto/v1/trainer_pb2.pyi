@@ -10,7 +10,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("live_version", "steps", "traces_consumed", "versions_published", "versions_refused", "live_tau", "last_candidate_tau", "supervised_tokens")
+    __slots__ = ("live_version", "steps", "traces_consumed", "versions_published", "versions_refused", "live_tau", "last_candidate_tau", "supervised_tokens", "last_gate_live_tau")
     LIVE_VERSION_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     TRACES_CONSUMED_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class StatusResponse(_message.Message):
     LIVE_TAU_FIELD_NUMBER: _ClassVar[int]
     LAST_CANDIDATE_TAU_FIELD_NUMBER: _ClassVar[int]
     SUPERVISED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAST_GATE_LIVE_TAU_FIELD_NUMBER: _ClassVar[int]
     live_version: str
     steps: int
     traces_consumed: int
@@ -27,7 +28,8 @@ class StatusResponse(_message.Message):
     live_tau: float
     last_candidate_tau: float
     supervised_tokens: int
-    def __init__(self, live_version: _Optional[str] = ..., steps: _Optional[int] = ..., traces_consumed: _Optional[int] = ..., versions_published: _Optional[int] = ..., versions_refused: _Optional[int] = ..., live_tau: _Optional[float] = ..., last_candidate_tau: _Optional[float] = ..., supervised_tokens: _Optional[int] = ...) -> None: ...
+    last_gate_live_tau: float
+    def __init__(self, live_version: _Optional[str] = ..., steps: _Optional[int] = ..., traces_consumed: _Optional[int] = ..., versions_published: _Optional[int] = ..., versions_refused: _Optional[int] = ..., live_tau: _Optional[float] = ..., last_candidate_tau: _Optional[float] = ..., supervised_tokens: _Optional[int] = ..., last_gate_live_tau: _Optional[float] = ...) -> None: ...
 
 class GetCheckpointRequest(_message.Message):
     __slots__ = ("version", "chunk_bytes")
