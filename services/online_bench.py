@@ -75,6 +75,9 @@ class OnlineSettings:
     adaptive_block: bool = False
     steps_per_version: int = 10
     lr: float = 3e-4
+    replay_traces: int = 256
+    """The trainer's ``--replay-traces``: on a small machine traffic brings traces more slowly than
+    the trainer steps, and without replay it waits most of the time (0: each trace trains once)."""
     trainer_args: tuple[str, ...] = ()
     """More trainer flags (``services.trainer --help``), after the bench's own."""
     status_every: float = 2.0
@@ -123,6 +126,8 @@ class OnlineResult:
     traces_consumed: int = 0
     versions_published: int = 0
     versions_refused: int = 0
+    replay_steps: int = 0
+    """Trainer steps on replayed traces (included in ``trainer_steps``)."""
     supervised_tokens: int = 0
     supervised_tokens_per_s: float = 0.0
     """Supervised tokens per second of the run's wall clock (evaluations included: the trainer
@@ -268,7 +273,7 @@ def stack_config(settings: OnlineSettings, target: str, drafter: str, workdir: s
     if not settings.adaptive_block:
         verifier_args = [*verifier_args, "--no-adaptive-block"]
     trainer_args = ["--steps-per-version", str(settings.steps_per_version), "--lr", str(settings.lr),
-                    *settings.trainer_args]
+                    "--replay-traces", str(settings.replay_traces), *settings.trainer_args]
     return StackConfig(target=target, drafter=drafter, drafters=1, verifiers=1, trainer=True, mode="sync",
                        block_size=settings.block, pin=pinned, max_num_seqs=max(4, settings.concurrency + 1),
                        verifier_args=verifier_args, drafter_args=drafter_args, trainer_args=trainer_args,
@@ -349,6 +354,7 @@ def bench_online(settings: OnlineSettings, target: str, drafter: str, workdir: s
     result.traffic_seconds, result.wall_seconds = traffic_seconds, time.monotonic() - start
     if status is not None:
         result.trainer_steps, result.traces_consumed = status.steps, status.traces_consumed
+        result.replay_steps = status.replay_steps
         # Decisions since the bench started watching (the trainer made none before: no traced request).
         result.versions_published = status.versions_published - watch.first.versions_published
         result.versions_refused = status.versions_refused - watch.first.versions_refused
@@ -377,7 +383,8 @@ def format_table(result: OnlineResult) -> str:
     lines.append(f"gate: {passed} published, {len(result.versions) - passed} refused; failed requests "
                  f"{result.failed_requests}; {result.traffic_requests} traffic requests "
                  f"({result.traffic_tokens} tokens in {result.traffic_seconds:.0f} s); trainer {result.trainer_steps} "
-                 f"steps, {result.supervised_tokens} supervised tokens ({result.supervised_tokens_per_s:.1f}/s)")
+                 f"steps ({result.replay_steps} replayed), {result.traces_consumed} traces, "
+                 f"{result.supervised_tokens} supervised tokens ({result.supervised_tokens_per_s:.1f}/s)")
     return "\n".join(lines)
 
 
@@ -421,6 +428,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--steps-per-version", type=int, default=d.steps_per_version,
                         help="trainer steps between gated candidate versions")
     parser.add_argument("--lr", type=float, default=d.lr, help="the trainer's learning rate")
+    parser.add_argument("--replay-traces", type=int, default=d.replay_traces,
+                        help="the trainer's --replay-traces (0: each trace trains once)")
     parser.add_argument("--trainer-arg", action="append", default=[],
                         help="one more trainer flag, e.g. --trainer-arg=--branches-per-anchor=2 (repeatable)")
     parser.add_argument("--workdir", default="", help="logs and trainer checkpoints (default: a temporary directory)")
@@ -433,6 +442,7 @@ def run(args) -> int:
         eval_prompts=args.eval_prompts, eval_max_tokens=args.eval_max_tokens, concurrency=args.concurrency,
         max_tokens=args.max_tokens, temperature=args.temperature, block=args.block,
         adaptive_block=args.adaptive_block, steps_per_version=args.steps_per_version, lr=args.lr,
+        replay_traces=args.replay_traces,
         trainer_args=tuple(args.trainer_arg))
     target = zoo_model(args.target)
     drafter = zoo_model(args.drafter or f"d3d-{Path(target).name}-unseen-{settings.new_domain}")

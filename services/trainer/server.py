@@ -130,6 +130,9 @@ class TrainerConfig(ServiceConfig):
     version_channel: str = field(default="specd:drafter:updates", metadata={"help": "pub/sub channel for new-version hints"})
     batch_size: int = field(default=4, metadata={"help": "traces per SpecOPD step"})
     steps_per_version: int = field(default=50, metadata={"help": "steps between checkpoints / gated candidate versions"})
+    replay_traces: int = field(default=0, metadata={
+        "help": "keep the newest N trained traces and, whenever the stream has nothing new, step on a batch drawn "
+                "from them instead of waiting (0 = each trace trains once)"})
     heldout_every: int = field(default=20, metadata={"help": "about one trace in N (by trace id hash) is held out for the gate"})
     max_heldout: int = field(default=256, metadata={"help": "held-out traces kept (the newest)"})
     min_heldout: int = field(default=4, metadata={"help": "held-out traces needed before anything is published"})
@@ -209,7 +212,7 @@ class TrainerConfig(ServiceConfig):
     def online(self) -> OnlineConfig:
         return OnlineConfig(batch_size=self.batch_size, steps_per_version=self.steps_per_version,
                             heldout_every=self.heldout_every, max_heldout=self.max_heldout,
-                            min_heldout=self.min_heldout, gate_seed=self.seed)
+                            min_heldout=self.min_heldout, gate_seed=self.seed, replay_traces=self.replay_traces)
 
 
 class TrainerMetrics:
@@ -339,6 +342,8 @@ class TrainerService:
                 self._take(entry)
             if self.learner.ready:
                 self._step()
+            elif not entries and self.learner.can_replay:  # nothing new: train on kept traces meanwhile
+                self._step(replay=True)
 
     def _take(self, entry: Entry) -> None:
         try:
@@ -359,24 +364,28 @@ class TrainerService:
         self.learner.count_dead_letter()
         self.metrics.dead_letters.inc()
 
-    def _step(self) -> None:
+    def _step(self, replay: bool = False) -> None:
         try:
-            result = self.learner.step()
+            result = self.learner.replay_step() if replay else self.learner.step()
         except ScoreError as error:
             if error.code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
                 raise  # unreachable verifiers, auth, deadlines: the batch stays queued; `run` retries it
+            if replay:  # kept traces the verifiers refuse now: nothing is queued, nothing to dead-letter
+                logger.warning("the verifiers refused a replayed batch: %s", error)
+                return
             # The verifiers refuse this batch's data: retrying cannot help.
             for entry in self._queued:
                 self._dead_letter(entry, f"the verifiers refused to score its batch: {error}")
             self.learner.batch.clear()
             self._queued.clear()
             return
-        self._to_ack.extend(entry.id for entry in self._queued)
-        self._queued.clear()
+        if not replay:  # a replay step trained no queued entry: a partial batch stays queued, unacknowledged
+            self._to_ack.extend(entry.id for entry in self._queued)
+            self._queued.clear()
         self.metrics.steps.inc()
         self.metrics.supervised_tokens.inc(result.num_supervised_tokens)
-        logger.info("step %d: loss %.4f, %d supervised tokens", self.learner.num_steps, result.loss,
-                    result.num_supervised_tokens)
+        logger.info("step %d%s: loss %.4f, %d supervised tokens", self.learner.num_steps, " (replay)" * replay,
+                    result.loss, result.num_supervised_tokens)
         if self.learner.version_due:
             self.checkpoint()
             decision = self.learner.judge()
@@ -475,7 +484,7 @@ class TrainerService:
             live_version=counters.live_version, steps=self.learner.num_steps, traces_consumed=counters.traces_consumed,
             versions_published=counters.versions_published, versions_refused=counters.versions_refused,
             live_tau=counters.live_tau, last_candidate_tau=counters.last_candidate_tau,
-            last_gate_live_tau=counters.last_gate_live_tau,
+            last_gate_live_tau=counters.last_gate_live_tau, replay_steps=counters.replay_steps,
             supervised_tokens=self.learner.trainer.num_supervised_tokens,
         )
 

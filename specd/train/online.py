@@ -32,6 +32,12 @@ Design choices:
   trajectories the gate keeps (``heldout_ids``, bounded by ``remember_traces`` too): a killed
   trainer's successor is redelivered every trace of the window it never acknowledged, often more
   held-out ones than the gate keeps (``max_heldout``), and must skip each of them.
+- **Replay, where traffic is slower than the trainer** (``replay_traces``, off by default): the
+  newest trained trajectories are kept, and when the stream has nothing new the service steps on
+  a batch drawn from them rather than wait. On a small machine a live stream brings a trace every
+  few seconds while a step takes one or two; without replay the trainer idles most of the time.
+  Replay changes no trace's accounting (a replayed trace is not taken in again) and the gate
+  still guards serving against overfitting to the few traces kept.
 - **A version is a checkpoint that passed the gate.** Every ``steps_per_version`` steps the
   online state is saved (`save`, atomically: `specd.train.opd.save_checkpoint`), and the service
   acknowledges the traces in it only then. The weights keep training whether or not a candidate
@@ -107,12 +113,20 @@ class OnlineConfig:
     redelivered traces."""
     keep_versions: int = 5
     """Published version directories kept on disk (the live one always is)."""
+    replay_traces: int = 0
+    """0: each trace is trained once, when it arrives. N > 0: the newest N trained traces are kept,
+    and whenever the stream has nothing new the learner steps on a batch drawn from them (a
+    replay step): where traffic brings traces more slowly than the trainer can step, it keeps
+    training instead of waiting. A replayed trace is no new trace: the ledger, the trained ids and
+    the acknowledgements are unchanged by it."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "steps_per_version", "max_heldout", "min_heldout", "gate_batch_size",
                      "remember_traces", "keep_versions"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.replay_traces < 0:
+            raise ValueError(f"replay_traces must be >= 0 (0: no replay), got {self.replay_traces}")
         if self.heldout_every < 2:
             raise ValueError(f"heldout_every must be >= 2 (one trace in N is held out), got {self.heldout_every}")
         if self.min_heldout > self.max_heldout:
@@ -336,6 +350,8 @@ class OnlineCounters:
     last_candidate_tau: float = math.nan
     last_gate_live_tau: float = math.nan
     """The live drafter's τ in the last gate decision, what ``last_candidate_tau`` was compared with."""
+    replay_steps: int = 0
+    """Steps on replayed traces (`OnlineConfig.replay_traces`), included in the learner's steps."""
 
 
 class OnlineLearner:
@@ -360,6 +376,7 @@ class OnlineLearner:
         self.trained_ids: OrderedDict[str, None] = OrderedDict()
         self.heldout: OrderedDict[str, Trajectory] = OrderedDict()  # the gate's, the newest max_heldout
         self.heldout_ids: OrderedDict[str, None] = OrderedDict()  # every held-out id, the newest remember_traces
+        self.replay: OrderedDict[str, Trajectory] = OrderedDict()  # the newest replay_traces trained
         self.published: OrderedDict[str, dict[str, str]] = OrderedDict()  # version -> sha256 map
         self.batch: list[Trace] = []
         self.steps_at_version = 0  # num_steps at the last checkpoint
@@ -430,9 +447,28 @@ class OnlineLearner:
         for trace in self.batch:
             self.trained_ids[trace.trace_id] = None
             self._new_trained.append(trace.trace_id)
+            if self.online.replay_traces:
+                self.replay[trace.trace_id] = trace.trajectory
         while len(self.trained_ids) > self.online.remember_traces:
             self.trained_ids.popitem(last=False)
+        while len(self.replay) > self.online.replay_traces:
+            self.replay.popitem(last=False)
         self.batch = []
+        return result
+
+    @property
+    def can_replay(self) -> bool:
+        """Replay is on and a batch of trained traces is kept to draw from."""
+        return self.online.replay_traces > 0 and len(self.replay) >= self.online.batch_size
+
+    def replay_step(self) -> StepResult:
+        """One step on ``batch_size`` kept traces drawn without replacement, seeded by the step
+        number (a resumed lineage draws what it would have); nothing else changes."""
+        rng = np.random.default_rng((self.config.seed, self.trainer.num_steps))
+        kept = list(self.replay.values())
+        picks = rng.choice(len(kept), size=self.online.batch_size, replace=False)
+        result = self._train([kept[int(i)] for i in picks])
+        self.counters.replay_steps += 1
         return result
 
     def _train(self, trajectories: list[Trajectory]) -> StepResult:
@@ -522,6 +558,7 @@ class OnlineLearner:
             "trained_ids": list(self.trained_ids),
             "heldout": [(i, t.prompt, t.response) for i, t in self.heldout.items()],
             "heldout_ids": list(self.heldout_ids),
+            "replay": [(i, t.prompt, t.response) for i, t in self.replay.items()],
             "published": list(self.published.items()),
             "ledger": [asdict(entry) for entry in self.ledger],
             "num_checkpoints": self.num_checkpoints,
@@ -533,6 +570,7 @@ class OnlineLearner:
         self.heldout = OrderedDict((i, Trajectory(prompt=p, response=r)) for i, p, r in state["heldout"])
         # A checkpoint written before held-out ids were kept apart remembers the gate's traces only.
         self.heldout_ids = OrderedDict.fromkeys(state.get("heldout_ids", list(self.heldout)))
+        self.replay = OrderedDict((i, Trajectory(prompt=p, response=r)) for i, p, r in state.get("replay", []))
         self.published = OrderedDict(state["published"])
         # A checkpoint written before the ledger existed starts one (numbered from 1).
         self.ledger = [LedgerEntry(**entry) for entry in state.get("ledger", [])]

@@ -150,6 +150,36 @@ def test_traces_are_acknowledged_only_after_the_checkpoint_that_holds_them(model
     assert service.status().traces_consumed == 4 and service.status().supervised_tokens > 0
 
 
+def test_a_quiet_stream_replays_kept_traces_and_takes_none_in_twice(models, redis_url, client, tmp_path):
+    """With ``replay_traces`` a poll that reads nothing steps on trained traces drawn from the kept
+    ones; without it, it waits. A replay step acknowledges nothing and leaves a partial batch queued."""
+    waiting = TrainerService(config(models, redis_url, tmp_path / "off", consumer="off", group="off",
+                                    steps_per_version=100), client=client)
+    service = TrainerService(config(models, redis_url, tmp_path / "run", replay_traces=4, steps_per_version=100),
+                             client=client)
+    traces = make_traces(2, heldout=False)
+    add(client, traces)
+    poll_until(waiting, lambda: waiting.learner.num_steps == 1)
+    waiting.poll(block_ms=10)
+    assert waiting.learner.num_steps == 1  # no replay: a quiet stream is a wait
+    poll_until(service, lambda: service.learner.num_steps == 1)
+    before = copy.deepcopy(service.learner.weights().state_dict())
+    service.poll(block_ms=10)  # nothing new
+    assert service.learner.num_steps == 2 and service.status().replay_steps == 1
+    assert any(not torch.equal(before[k], v) for k, v in service.learner.weights().state_dict().items())
+    assert list(service.learner.trained_ids) == [t.trace_id for t in traces]
+    assert service.status().traces_consumed == 2
+    add(client, make_traces(1, heldout=False, start=100))
+    service.poll(block_ms=10)  # takes the new trace in: half a batch, no replay while traces arrive
+    service.poll(block_ms=10)  # quiet again: a replay step; the half batch stays queued
+    assert service.status().replay_steps == 2 and len(service.learner.batch) == 1
+    service.checkpoint()
+    assert pending(client) == 1  # the two trained traces acknowledged, the queued one not
+    state = saved_state(tmp_path / "run")
+    assert [entry[0] for entry in state["data"]["replay"]] == [t.trace_id for t in traces]
+    assert state["data"]["trained_ids"] == [t.trace_id for t in traces]
+
+
 @pytest.mark.parametrize("restart", ["same consumer, own backlog", "new consumer, reclaimed"])
 def test_a_killed_trainer_loses_no_trace_and_trains_none_twice(restart, models, redis_url, client, tmp_path):
     directory = tmp_path / "run"

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specd/v1/trainer.proto\x12\x08specd.v1\"\x0f\n\rStatusRequest\"\xe9\x01\n\x0eStatusResponse\x12\x14\n\x0clive_version\x18\x01 \x01(\t\x12\r\n\x05steps\x18\x02 \x01(\x04\x12\x17\n\x0ftraces_consumed\x18\x03 \x01(\x04\x12\x1a\n\x12versions_published\x18\x04 \x01(\x04\x12\x18\n\x10versions_refused\x18\x05 \x01(\x04\x12\x10\n\x08live_tau\x18\x06 \x01(\x02\x12\x1a\n\x12last_candidate_tau\x18\x07 \x01(\x02\x12\x19\n\x11supervised_tokens\x18\x08 \x01(\x04\x12\x1a\n\x12last_gate_live_tau\x18\t \x01(\x02\"<\n\x14GetCheckpointRequest\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\r\"s\n\x0f\x43heckpointChunk\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0c\n\x04\x66ile\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0e\n\x06sha256\x18\x05 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x04\"!\n\x0cOfferRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\"l\n\rOfferResponse\x12\x11\n\tpublished\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x15\n\rcandidate_tau\x18\x03 \x01(\x02\x12\x10\n\x08live_tau\x18\x04 \x01(\x02\x12\x0e\n\x06reason\x18\x05 \x01(\t2\xce\x01\n\x07Trainer\x12;\n\x06Status\x12\x17.specd.v1.StatusRequest\x1a\x18.specd.v1.StatusResponse\x12L\n\rGetCheckpoint\x12\x1e.specd.v1.GetCheckpointRequest\x1a\x19.specd.v1.CheckpointChunk0\x01\x12\x38\n\x05Offer\x12\x16.specd.v1.OfferRequest\x1a\x17.specd.v1.OfferResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specd/v1/trainer.proto\x12\x08specd.v1\"\x0f\n\rStatusRequest\"\xff\x01\n\x0eStatusResponse\x12\x14\n\x0clive_version\x18\x01 \x01(\t\x12\r\n\x05steps\x18\x02 \x01(\x04\x12\x17\n\x0ftraces_consumed\x18\x03 \x01(\x04\x12\x1a\n\x12versions_published\x18\x04 \x01(\x04\x12\x18\n\x10versions_refused\x18\x05 \x01(\x04\x12\x10\n\x08live_tau\x18\x06 \x01(\x02\x12\x1a\n\x12last_candidate_tau\x18\x07 \x01(\x02\x12\x19\n\x11supervised_tokens\x18\x08 \x01(\x04\x12\x1a\n\x12last_gate_live_tau\x18\t \x01(\x02\x12\x14\n\x0creplay_steps\x18\n \x01(\x04\"<\n\x14GetCheckpointRequest\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\r\"s\n\x0f\x43heckpointChunk\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0c\n\x04\x66ile\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0e\n\x06sha256\x18\x05 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x04\"!\n\x0cOfferRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\"l\n\rOfferResponse\x12\x11\n\tpublished\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x15\n\rcandidate_tau\x18\x03 \x01(\x02\x12\x10\n\x08live_tau\x18\x04 \x01(\x02\x12\x0e\n\x06reason\x18\x05 \x01(\t2\xce\x01\n\x07Trainer\x12;\n\x06Status\x12\x17.specd.v1.StatusRequest\x1a\x18.specd.v1.StatusResponse\x12L\n\rGetCheckpoint\x12\x1e.specd.v1.GetCheckpointRequest\x1a\x19.specd.v1.CheckpointChunk0\x01\x12\x38\n\x05Offer\x12\x16.specd.v1.OfferRequest\x1a\x17.specd.v1.OfferResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,15 +35,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATUSREQUEST']._serialized_start=36
   _globals['_STATUSREQUEST']._serialized_end=51
   _globals['_STATUSRESPONSE']._serialized_start=54
-  _globals['_STATUSRESPONSE']._serialized_end=287
-  _globals['_GETCHECKPOINTREQUEST']._serialized_start=289
-  _globals['_GETCHECKPOINTREQUEST']._serialized_end=349
-  _globals['_CHECKPOINTCHUNK']._serialized_start=351
-  _globals['_CHECKPOINTCHUNK']._serialized_end=466
-  _globals['_OFFERREQUEST']._serialized_start=468
-  _globals['_OFFERREQUEST']._serialized_end=501
-  _globals['_OFFERRESPONSE']._serialized_start=503
-  _globals['_OFFERRESPONSE']._serialized_end=611
-  _globals['_TRAINER']._serialized_start=614
-  _globals['_TRAINER']._serialized_end=820
+  _globals['_STATUSRESPONSE']._serialized_end=309
+  _globals['_GETCHECKPOINTREQUEST']._serialized_start=311
+  _globals['_GETCHECKPOINTREQUEST']._serialized_end=371
+  _globals['_CHECKPOINTCHUNK']._serialized_start=373
+  _globals['_CHECKPOINTCHUNK']._serialized_end=488
+  _globals['_OFFERREQUEST']._serialized_start=490
+  _globals['_OFFERREQUEST']._serialized_end=523
+  _globals['_OFFERRESPONSE']._serialized_start=525
+  _globals['_OFFERRESPONSE']._serialized_end=633
+  _globals['_TRAINER']._serialized_start=636
+  _globals['_TRAINER']._serialized_end=842
 # @@protoc_insertion_point(module_scope)

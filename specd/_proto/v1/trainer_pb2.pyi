@@ -10,7 +10,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("live_version", "steps", "traces_consumed", "versions_published", "versions_refused", "live_tau", "last_candidate_tau", "supervised_tokens", "last_gate_live_tau")
+    __slots__ = ("live_version", "steps", "traces_consumed", "versions_published", "versions_refused", "live_tau", "last_candidate_tau", "supervised_tokens", "last_gate_live_tau", "replay_steps")
     LIVE_VERSION_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     TRACES_CONSUMED_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class StatusResponse(_message.Message):
     LAST_CANDIDATE_TAU_FIELD_NUMBER: _ClassVar[int]
     SUPERVISED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LAST_GATE_LIVE_TAU_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_STEPS_FIELD_NUMBER: _ClassVar[int]
     live_version: str
     steps: int
     traces_consumed: int
@@ -29,7 +30,8 @@ class StatusResponse(_message.Message):
     last_candidate_tau: float
     supervised_tokens: int
     last_gate_live_tau: float
-    def __init__(self, live_version: _Optional[str] = ..., steps: _Optional[int] = ..., traces_consumed: _Optional[int] = ..., versions_published: _Optional[int] = ..., versions_refused: _Optional[int] = ..., live_tau: _Optional[float] = ..., last_candidate_tau: _Optional[float] = ..., supervised_tokens: _Optional[int] = ..., last_gate_live_tau: _Optional[float] = ...) -> None: ...
+    replay_steps: int
+    def __init__(self, live_version: _Optional[str] = ..., steps: _Optional[int] = ..., traces_consumed: _Optional[int] = ..., versions_published: _Optional[int] = ..., versions_refused: _Optional[int] = ..., live_tau: _Optional[float] = ..., last_candidate_tau: _Optional[float] = ..., supervised_tokens: _Optional[int] = ..., last_gate_live_tau: _Optional[float] = ..., replay_steps: _Optional[int] = ...) -> None: ...
 
 class GetCheckpointRequest(_message.Message):
     __slots__ = ("version", "chunk_bytes")
