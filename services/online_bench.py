@@ -11,11 +11,12 @@ publishes what passes; the drafter replica pulls each version and swaps it in.
 
 Every ``--eval-minutes`` of traffic the clients stop (in-flight requests finish) and the *live*
 drafter's τ is measured through the same verifier on held-out prompts of every domain: greedy,
-one request at a time, with ``store: false`` so that an evaluation never becomes training data.
-τ is the verifier's own counters' tokens per sequence pass over those requests. The verifier
-runs a fixed block (``--block``, default 8, the block the trainer trains for) unless
+a domain's prompts sent together, with ``store: false`` so that an evaluation never becomes
+training data. τ is the verifier's own counters' tokens per sequence pass over those requests.
+The verifier runs a fixed block (``--block``, default 4, the block the trainer trains for) unless
 ``--adaptive-block``: then the cost model's choices, which follow this machine's pass costs, move
-τ as much as the drafter does.
+τ as much as the drafter does. The trainer scores with the target's top 64 tokens per node
+(``--score-top-k``) and replays kept traces while traffic is slower than it (``--replay-traces``).
 
 The gate's held-out set is the traffic's: the trainer holds out about one trace in
 ``heldout_every`` by a hash of its id, so its domains come in the traffic's proportions (here,
@@ -33,6 +34,7 @@ import json
 import math
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -61,7 +63,7 @@ class OnlineSettings:
     """Minutes of traffic between two evaluations (one more at the start)."""
     eval_prompts: int = 8
     """Held-out prompts per domain per evaluation."""
-    eval_max_tokens: int = 96
+    eval_max_tokens: int = 64
     concurrency: int = 2
     """Closed-loop traffic clients."""
     max_tokens: int = 128
@@ -71,8 +73,13 @@ class OnlineSettings:
     """Distinct training prompts of the new domain the traffic cycles through."""
     temperature: float = 0.0
     """Of the traffic (evaluations are greedy)."""
-    block: int = 8
+    block: int = 4
+    """The verifier's block and the trainer's: on a 2-core CPU a pass over 9 tokens costs ~2.1x a
+    decode and over 5 ~1.8x, while the drafter's acceptance past the fourth position is ~0.03."""
     adaptive_block: bool = False
+    score_top_k: int = 64
+    """The trainer's ``--top-k``: Score answers with the 64 most likely tokens per node and the rest
+    mass, 0.5 MB a step, instead of full distributions over SmolLM2's 49152 tokens (200 MB)."""
     steps_per_version: int = 10
     lr: float = 3e-4
     replay_traces: int = 256
@@ -189,15 +196,22 @@ class Traffic:
 
 
 def evaluate(base_url: str, model: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, int, list[str]]:
-    """(τ, requests, tokens, errors) of greedy requests sent one at a time with ``store: false``."""
+    """(τ, requests, tokens, errors) of greedy requests, all at once, with ``store: false``. With
+    traffic paused they are the verifier's only sequences, so its counters are theirs; at a fixed
+    block, τ does not depend on how many run together."""
     before = metrics(base_url)
-    tokens, errors = 0, []
-    for prompt in prompts:
+
+    def one(prompt: list[int]) -> int | str:
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "store": False}
         try:
-            tokens += stream_completion(base_url, "/v1/completions", body).completion_tokens
+            return stream_completion(base_url, "/v1/completions", body).completion_tokens
         except OSError as error:
-            errors.append(f"evaluation: {error}")
+            return f"evaluation: {error}"
+
+    with ThreadPoolExecutor(max(1, len(prompts))) as pool:
+        answers = list(pool.map(one, prompts))
+    tokens = sum(a for a in answers if isinstance(a, int))
+    errors = [a for a in answers if isinstance(a, str)]
     after = metrics(base_url)
     accepted = after.get(ACCEPTED, 0.0) - before.get(ACCEPTED, 0.0)
     passes = after.get(PASSES, 0.0) - before.get(PASSES, 0.0)
@@ -273,9 +287,11 @@ def stack_config(settings: OnlineSettings, target: str, drafter: str, workdir: s
     if not settings.adaptive_block:
         verifier_args = [*verifier_args, "--no-adaptive-block"]
     trainer_args = ["--steps-per-version", str(settings.steps_per_version), "--lr", str(settings.lr),
-                    "--replay-traces", str(settings.replay_traces), *settings.trainer_args]
+                    "--replay-traces", str(settings.replay_traces), "--top-k", str(settings.score_top_k),
+                    *settings.trainer_args]
     return StackConfig(target=target, drafter=drafter, drafters=1, verifiers=1, trainer=True, mode="sync",
-                       block_size=settings.block, pin=pinned, max_num_seqs=max(4, settings.concurrency + 1),
+                       block_size=settings.block, pin=pinned,
+                       max_num_seqs=max(4, settings.concurrency, settings.eval_prompts),
                        verifier_args=verifier_args, drafter_args=drafter_args, trainer_args=trainer_args,
                        workdir=workdir, **stack_ports())
 
@@ -288,7 +304,7 @@ def traffic_prompts(target: str, domain: str, count: int, max_prompt_tokens: int
     from specd.data.chat import ChatTemplate
     from specd.train.drafter import domain_prompts
 
-    zoo.build(only="data")
+    zoo.ensure("data")
     target_dir = Path(target)
     prompts = domain_prompts({domain: zoo.train_documents(domain)}, load_tokenizer(target_dir), count, seed=1,
                              template=ChatTemplate.from_dir(target_dir), max_prompt_tokens=max_prompt_tokens)
@@ -428,6 +444,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--steps-per-version", type=int, default=d.steps_per_version,
                         help="trainer steps between gated candidate versions")
     parser.add_argument("--lr", type=float, default=d.lr, help="the trainer's learning rate")
+    parser.add_argument("--score-top-k", type=int, default=d.score_top_k,
+                        help="the trainer's --top-k for Score (0: full distributions)")
     parser.add_argument("--replay-traces", type=int, default=d.replay_traces,
                         help="the trainer's --replay-traces (0: each trace trains once)")
     parser.add_argument("--trainer-arg", action="append", default=[],
@@ -442,7 +460,7 @@ def run(args) -> int:
         eval_prompts=args.eval_prompts, eval_max_tokens=args.eval_max_tokens, concurrency=args.concurrency,
         max_tokens=args.max_tokens, temperature=args.temperature, block=args.block,
         adaptive_block=args.adaptive_block, steps_per_version=args.steps_per_version, lr=args.lr,
-        replay_traces=args.replay_traces,
+        replay_traces=args.replay_traces, score_top_k=args.score_top_k,
         trainer_args=tuple(args.trainer_arg))
     target = zoo_model(args.target)
     drafter = zoo_model(args.drafter or f"d3d-{Path(target).name}-unseen-{settings.new_domain}")
