@@ -82,6 +82,9 @@ class OnlineSettings:
     mass, 0.5 MB a step, instead of full distributions over SmolLM2's 49152 tokens (200 MB)."""
     steps_per_version: int = 10
     lr: float = 3e-4
+    heldout_every: int = 6
+    """The trainer's ``--heldout-every``: the gate needs 4 held-out traces before it publishes, and
+    at the trainer's default (1 in 20) this machine's traffic would take ~10 minutes to bring them."""
     replay_traces: int = 256
     """The trainer's ``--replay-traces``: on a small machine traffic brings traces more slowly than
     the trainer steps, and without replay it waits most of the time (0: each trace trains once)."""
@@ -287,6 +290,7 @@ def stack_config(settings: OnlineSettings, target: str, drafter: str, workdir: s
     if not settings.adaptive_block:
         verifier_args = [*verifier_args, "--no-adaptive-block"]
     trainer_args = ["--steps-per-version", str(settings.steps_per_version), "--lr", str(settings.lr),
+                    "--heldout-every", str(settings.heldout_every),
                     "--replay-traces", str(settings.replay_traces), "--top-k", str(settings.score_top_k),
                     *settings.trainer_args]
     return StackConfig(target=target, drafter=drafter, drafters=1, verifiers=1, trainer=True, mode="sync",
