@@ -90,6 +90,8 @@ class OnlineSettings:
     the trainer steps, and without replay it waits most of the time (0: each trace trains once)."""
     trainer_args: tuple[str, ...] = ()
     """More trainer flags (``services.trainer --help``), after the bench's own."""
+    offer_worse: bool = True
+    """At the end, offer the gate a deliberately worse drafter (`offer_worse`)."""
     status_every: float = 2.0
     """Seconds between two reads of the trainer's Status (each gate decision is seen at the next)."""
 
@@ -121,6 +123,21 @@ class GateRecord:
 
 
 @dataclass(kw_only=True)
+class WorseOffer:
+    """A deliberately worse drafter offered to the trainer's gate at the end of the run."""
+
+    published: bool
+    candidate_tau: float
+    live_tau: float
+    live_before: str
+    """The live version just before the offer."""
+    live_after: str
+    """The live version the trainer named in its answer (the trainer's own publishing goes on
+    meanwhile, so it may be a later version of its own, never the offered one)."""
+    reason: str
+
+
+@dataclass(kw_only=True)
 class OnlineResult:
     new_domain: str
     settings: dict
@@ -139,6 +156,7 @@ class OnlineResult:
     replay_steps: int = 0
     """Trainer steps on replayed traces (included in ``trainer_steps``)."""
     supervised_tokens: int = 0
+    worse_offer: WorseOffer | None = None
     supervised_tokens_per_s: float = 0.0
     """Supervised tokens per second of the run's wall clock (evaluations included: the trainer
     kept training through them)."""
@@ -283,6 +301,28 @@ class StatusWatch:
         self.last = status
 
 
+def offer_worse(trainer_address: str, drafter: str, directory: Path, seed: int = 0) -> WorseOffer:
+    """Offer the trainer the starting drafter with Gaussian noise added to every decoder-layer
+    tensor (each tensor's own standard deviation: its variance doubled; the shared embedding and
+    heads untouched). The gate must refuse it and the live version must stay."""
+    import torch
+
+    from specd.models.loading import load_model, save_model
+
+    model = load_model(drafter)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if name.startswith("layers.") and tensor.numel() > 1:
+                tensor.add_(torch.randn(tensor.shape, generator=generator) * tensor.float().std())
+    save_model(model, directory)
+    stub = trainer_pb2_grpc.TrainerStub(open_channel(trainer_address, ServiceConfig()))
+    before = stub.Status(trainer_pb2.StatusRequest(), timeout=30).live_version
+    answer = stub.Offer(trainer_pb2.OfferRequest(directory=str(directory)), timeout=600)
+    return WorseOffer(published=answer.published, candidate_tau=answer.candidate_tau, live_tau=answer.live_tau,
+                      live_before=before or "initial", live_after=answer.version or "initial", reason=answer.reason)
+
+
 # ---------------------------------------------------------------------------- the run
 def stack_config(settings: OnlineSettings, target: str, drafter: str, workdir: str = "") -> StackConfig:
     """One sync verifier and one drafter sharing this machine (`machine_split`), and the trainer."""
@@ -343,9 +383,14 @@ def bench_online(settings: OnlineSettings, target: str, drafter: str, workdir: s
         stream_completion(base, "/v1/completions", {"model": model, "prompt": pool[0], "max_tokens": 8,
                                                     "temperature": 0, "store": False})  # warm up
         traffic = Traffic(base, model, pool, settings)
-        start, traffic_seconds = time.monotonic(), 0.0
-        watch = StatusWatch(stack.trainer.grpc, settings.status_every,
-                            lambda: (traffic_seconds, time.monotonic() - start)).start()
+        start, traffic_seconds, running_since = time.monotonic(), 0.0, None
+
+        def clock() -> tuple[float, float]:
+            """(seconds of traffic so far, the current stretch included; wall seconds)."""
+            now = time.monotonic()
+            return traffic_seconds + (now - running_since if running_since is not None else 0.0), now - start
+
+        watch = StatusWatch(stack.trainer.grpc, settings.status_every, clock).start()
 
         def evaluation() -> None:
             for domain in DOMAINS:
@@ -361,11 +406,15 @@ def bench_online(settings: OnlineSettings, target: str, drafter: str, workdir: s
         while traffic_seconds < budget - 1e-6:
             chunk = min(settings.eval_minutes * 60, budget - traffic_seconds)
             progress.set_postfix_str(f"traffic to {(traffic_seconds + chunk) / 60:.1f} min")
-            began = time.monotonic()
+            running_since = time.monotonic()
             traffic.run_for(chunk)
-            traffic_seconds += time.monotonic() - began
+            traffic_seconds += time.monotonic() - running_since
+            running_since = None
             evaluation()
-        status = watch.stop()
+        status = watch.stop()  # the trainer's own decisions; the offer below is recorded apart
+        if settings.offer_worse:
+            progress.set_postfix_str("offering the trainer a worse drafter")
+            result.worse_offer = offer_worse(stack.trainer.grpc, drafter, stack.workdir / "worse-drafter")
     progress.close()
     result.versions = watch.records
     result.errors += traffic.errors
@@ -405,6 +454,10 @@ def format_table(result: OnlineResult) -> str:
                  f"({result.traffic_tokens} tokens in {result.traffic_seconds:.0f} s); trainer {result.trainer_steps} "
                  f"steps ({result.replay_steps} replayed), {result.traces_consumed} traces, "
                  f"{result.supervised_tokens} supervised tokens ({result.supervised_tokens_per_s:.1f}/s)")
+    if result.worse_offer is not None:
+        w = result.worse_offer
+        lines.append(f"a worse drafter offered: {'PUBLISHED' if w.published else 'refused'} ({w.reason}); live version "
+                     f"{w.live_before} before, {w.live_after} after")
     return "\n".join(lines)
 
 
@@ -454,6 +507,8 @@ def add_arguments(parser) -> None:
                         help="the trainer's --replay-traces (0: each trace trains once)")
     parser.add_argument("--trainer-arg", action="append", default=[],
                         help="one more trainer flag, e.g. --trainer-arg=--branches-per-anchor=2 (repeatable)")
+    parser.add_argument("--no-offer-worse", dest="offer_worse", action="store_false",
+                        help="skip offering the gate a deliberately worse drafter at the end")
     parser.add_argument("--workdir", default="", help="logs and trainer checkpoints (default: a temporary directory)")
     parser.add_argument("--json", default="out/bench/online.json", help="JSON path (the plot goes beside it)")
 
@@ -464,7 +519,7 @@ def run(args) -> int:
         eval_prompts=args.eval_prompts, eval_max_tokens=args.eval_max_tokens, concurrency=args.concurrency,
         max_tokens=args.max_tokens, temperature=args.temperature, block=args.block,
         adaptive_block=args.adaptive_block, steps_per_version=args.steps_per_version, lr=args.lr,
-        replay_traces=args.replay_traces, score_top_k=args.score_top_k,
+        replay_traces=args.replay_traces, score_top_k=args.score_top_k, offer_worse=args.offer_worse,
         trainer_args=tuple(args.trainer_arg))
     target = zoo_model(args.target)
     drafter = zoo_model(args.drafter or f"d3d-{Path(target).name}-unseen-{settings.new_domain}")
@@ -477,4 +532,5 @@ def run(args) -> int:
     json_path.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {json_path}")
     print(f"wrote {plot(result, json_path.with_suffix('.png'))}")
-    return 0 if result.failed_requests == 0 else 1
+    worse_published = result.worse_offer is not None and result.worse_offer.published
+    return 0 if result.failed_requests == 0 and not worse_published else 1

@@ -176,6 +176,8 @@ def test_bench_online_measures_the_live_drafter_per_domain_and_records_every_gat
     assert sum(r.passed for r in result.versions) == result.versions_published
     published = {r.version for r in result.versions if r.passed}
     assert {m.version for m in result.tau} <= published | {"initial"}
+    offer = result.worse_offer  # refused or not between two random drafters: SmolLM2's run shows the refusal
+    assert offer is not None and offer.reason and offer.live_before and offer.live_after
     assert "τ code (new)" in format_table(result) and plot(result, tmp_path / "online.png").stat().st_size > 0
 
 
