@@ -501,6 +501,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--steps-per-version", type=int, default=d.steps_per_version,
                         help="trainer steps between gated candidate versions")
     parser.add_argument("--lr", type=float, default=d.lr, help="the trainer's learning rate")
+    parser.add_argument("--heldout-every", type=int, default=d.heldout_every,
+                        help="the trainer holds out about one trace in N for its gate")
     parser.add_argument("--score-top-k", type=int, default=d.score_top_k,
                         help="the trainer's --top-k for Score (0: full distributions)")
     parser.add_argument("--replay-traces", type=int, default=d.replay_traces,
@@ -520,6 +522,7 @@ def run(args) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, block=args.block,
         adaptive_block=args.adaptive_block, steps_per_version=args.steps_per_version, lr=args.lr,
         replay_traces=args.replay_traces, score_top_k=args.score_top_k, offer_worse=args.offer_worse,
+        heldout_every=args.heldout_every,
         trainer_args=tuple(args.trainer_arg))
     target = zoo_model(args.target)
     drafter = zoo_model(args.drafter or f"d3d-{Path(target).name}-unseen-{settings.new_domain}")
