@@ -39,7 +39,7 @@ def test_the_services_register_their_commands():
     installed = cli.installed_commands()
     assert {path: command.module for path, command in installed.items()} == {
         "up": "services.up", "bench.serve": "services.bench", "bench.chaos": "services.chaos.run",
-        "bench.profile": "services.calibrate"}
+        "bench.online": "services.online_bench", "bench.profile": "services.calibrate"}
 
 
 @pytest.mark.parametrize("path, module", [(("up",), up), (("bench", "serve"), services_bench),
