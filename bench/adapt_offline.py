@@ -41,7 +41,7 @@ def main(mode: str, steps: int, lr: float, answers: int = 200) -> None:
     held_code = [i for i in code if i % 10 == 9 and i % 4][:48]  # greedy answers (3 in 4), held out
     held_dialogue = [i for i in dialogue if i % 10 == 9 and i % 4][:48]
     train = [i for i in code if i % 10 != 9][:answers]
-    drafter = load_model(zoo.ensure("d3d-smollm2-135m-unseen-code"))
+    drafter = load_model(zoo.ensure(zoo.UNSEEN_DRAFTER))
 
     def tau(model, indices):
         kept, anchors = random_anchors([sequences[i] for i in indices], [prompt_lens[i] for i in indices], BLOCK, 8,
@@ -54,8 +54,9 @@ def main(mode: str, steps: int, lr: float, answers: int = 200) -> None:
     if mode == "sft":
         config = replace(zoo.SMOLLM2_DRAFTER_TRAINING, steps=steps, lr=lr, warmup_steps=10)
         work = Path("out/adapt-offline")
+        pad_id = load_model(zoo.model_path("smollm2-135m")).config.stop_token_ids[0]  # as the zoo's build pads
         train_drafter(drafter, [sequences[i] for i in train], [prompt_lens[i] for i in train], config, work,
-                      pad_id=2, workers=1)
+                      pad_id=pad_id, workers=1)
     elif mode in ("e2e-tv", "kl"):
         target = load_model(zoo.model_path("smollm2-135m"))
         trainer = SpecOPDTrainer(LocalScorer(target), drafter, SpecOPDConfig(block_size=BLOCK, lr=lr, loss=mode))

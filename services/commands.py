@@ -1,7 +1,8 @@
 """The `specd` subcommands the services add: `specd up`, `specd bench serve`, `specd bench chaos`,
 `specd bench online` and `specd bench profile` with the services' calibration
-(`services.calibrate`) in place of the library's in-process-only one. pyproject.toml declares each in the entry-point group ``specd.commands``
-(`specd.cli.Command`); `specd` imports a module named here only when its command is the one given.
+(`services.calibrate`) in place of the library's in-process-only one. pyproject.toml declares each
+in the entry-point group ``specd.commands`` (`specd.cli.Command`); `specd` imports a module named
+here only when its command is the one given.
 """
 
 from __future__ import annotations

@@ -49,6 +49,7 @@ from services.up import Stack, StackConfig, machine_cores, machine_split, stack_
 from specd._proto.v1 import trainer_pb2, trainer_pb2_grpc
 from specd.data import DOMAINS
 from specd.engine import tau as tokens_per_pass
+from specd.zoo import UNSEEN_DOMAIN, UNSEEN_DRAFTER
 
 ACCEPTED = "specd:spec_decode_num_accepted_tokens_total"
 PASSES = "specd:num_sequence_passes_total"
@@ -56,7 +57,7 @@ PASSES = "specd:num_sequence_passes_total"
 
 @dataclass(kw_only=True)
 class OnlineSettings:
-    new_domain: str = "code"
+    new_domain: str = UNSEEN_DOMAIN
     minutes: float = 30.0
     """Minutes of traffic (evaluations pause it and are not counted)."""
     eval_minutes: float = 5.0
@@ -484,8 +485,8 @@ def plot(result: OnlineResult, path: Path) -> Path:
 def add_arguments(parser) -> None:
     d = OnlineSettings()
     parser.add_argument("--target", default="smollm2-135m", help="target directory or zoo name")
-    parser.add_argument("--drafter", default="", help="starting drafter directory or zoo name "
-                                                      "(default: the zoo's d3d-smollm2-135m-unseen-<new domain>)")
+    parser.add_argument("--drafter", default="", help=f"starting drafter directory or zoo name (default: the zoo's "
+                                                      f"{UNSEEN_DRAFTER}, for --new-domain {UNSEEN_DOMAIN})")
     parser.add_argument("--new-domain", default=d.new_domain, help=f"the traffic's domain, one of {', '.join(DOMAINS)}")
     parser.add_argument("--minutes", type=float, default=d.minutes, help="minutes of traffic")
     parser.add_argument("--eval-minutes", type=float, default=d.eval_minutes,
@@ -525,7 +526,10 @@ def run(args) -> int:
         heldout_every=args.heldout_every,
         trainer_args=tuple(args.trainer_arg))
     target = zoo_model(args.target)
-    drafter = zoo_model(args.drafter or f"d3d-{Path(target).name}-unseen-{settings.new_domain}")
+    if not args.drafter and settings.new_domain != UNSEEN_DOMAIN:
+        raise ValueError(f"the zoo's starting drafter never saw {UNSEEN_DOMAIN!r}; for --new-domain "
+                         f"{settings.new_domain} pass --drafter DIR, a drafter trained without that domain")
+    drafter = zoo_model(args.drafter or UNSEEN_DRAFTER)
     result = bench_online(settings, target, drafter, args.workdir)
     print(format_table(result))
     json_path = Path(args.json)

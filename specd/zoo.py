@@ -77,6 +77,10 @@ class ZooModel:
     description: str
 
 
+UNSEEN_DOMAIN = "code"
+"""The domain `UNSEEN_DRAFTER` never saw: `specd bench online`'s new traffic."""
+UNSEEN_DRAFTER = f"d3d-smollm2-135m-unseen-{UNSEEN_DOMAIN}"
+
 MODELS: tuple[ZooModel, ...] = (
     ZooModel(name="smollm2-135m", kind="target", architecture="llama",
              description="SmolLM2-135M-Instruct (pretrained, 134.5M parameters), converted from its PyPI wheel's GGUF"),
@@ -95,9 +99,9 @@ MODELS: tuple[ZooModel, ...] = (
                          "frozen, an 8192-token drafting vocabulary (FR-Spec)"),
     ZooModel(name="dflash-smollm2-135m", kind="drafter", architecture="specd_d3d",
              description="DFlash-style baseline for SmolLM2-135M, built like d3d-smollm2-135m (reads target hidden states)"),
-    ZooModel(name="d3d-smollm2-135m-unseen-code", kind="drafter", architecture="specd_d3d",
-             description="d3d-smollm2-135m's recipe without the code domain's answers, 900 steps: the starting "
-                         "drafter of `specd bench online`, whose traffic is code"),
+    ZooModel(name=UNSEEN_DRAFTER, kind="drafter", architecture="specd_d3d",
+             description=f"d3d-smollm2-135m's recipe without the {UNSEEN_DOMAIN} domain's answers, 900 steps: the "
+                         f"starting drafter of `specd bench online`, whose traffic is {UNSEEN_DOMAIN}"),
 )
 
 
@@ -322,8 +326,6 @@ def _train_into(out: Path, name: str, model: D3DModel, target_model, sequences: 
 # 1024 prompts per domain: data binds this drafter (trained on half of 2048 answers it reached 1.52
 # against 1.76); going from 2048 to 4096 answers raised τ at a fixed block of 16 from 1.80 to 1.89.
 SMOLLM2 = "smollm2-135m"
-UNSEEN_DOMAIN = "code"
-"""The domain `d3d-smollm2-135m-unseen-code` never saw: `specd bench online`'s new traffic."""
 SMOLLM2_RESPONSES = {"per_domain": 1024, "max_tokens": 128, "seed": 0, "greedy": 0.75, "chat_template": True,
                      "batch": 64, "bf16": True}
 SMOLLM2_DRAFTER = {"num_hidden_layers": 4, "layers_from": [0, 1, 2, 3], "draft_vocab_size": 8192,
@@ -468,7 +470,7 @@ def steps() -> list[Step]:
                               reads_target=True, default=False),
         # Issue 21's starting drafter: the same recipe, trained without one domain (the traffic it
         # then meets online), at half the steps (its held-out τ at 600 steps was within 3% of 1800).
-        _build_shared_drafter(f"d3d-{SMOLLM2}-unseen-{UNSEEN_DOMAIN}", SMOLLM2, SMOLLM2_DRAFTER,
+        _build_shared_drafter(UNSEEN_DRAFTER, SMOLLM2, SMOLLM2_DRAFTER,
                               replace(SMOLLM2_DRAFTER_TRAINING, steps=900), reads_target=False, default=False,
                               unseen=UNSEEN_DOMAIN),
     ]
